@@ -1,0 +1,1 @@
+"""DFlash block-diffusion speculative decoding: the method, framework-free (torch + transformers)."""

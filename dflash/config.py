@@ -1,0 +1,199 @@
+"""Drafter configuration: the few numbers that define a DFlash drafter.
+
+A drafter is shaped by its target: hidden size, heads and FFN width are copied from the
+target so that the target's embedding and LM head fit it unchanged, and the tapped layer
+ids and mask token name rows/layers of that one target. `DrafterConfig.for_target` derives
+all of that from a Hugging Face config; `to_hf_dict`/`from_hf_dict` read and write the
+public DFlash drafter layout (the config.json that vLLM and SGLang load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+# Loss decay constants from the paper: gamma by block size.
+_GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """The paper's tap rule: spread n taps uniformly from layer 1 to layer N-3.
+
+    Worked example: N=36, n=5 -> round(1 + i*32/4) = [1, 9, 17, 25, 33].
+    SmolLM2 (N=30), n=5 -> round(1 + i*6.5) = [1, 8, 14, 20, 27] (Python's round:
+    half to even); n=3 -> [1, 14, 27]; n=1 -> [15].
+    """
+    if num_taps < 1:
+        raise ValueError(f"num_taps must be >= 1, got {num_taps}")
+    if num_target_layers < 4:
+        raise ValueError(f"target needs at least 4 layers to tap, has {num_target_layers}")
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps)]
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay gamma: 7/5/4 for B=16/10/8 (paper); other sizes interpolate ~B/2.3."""
+    return _GAMMA_BY_BLOCK.get(block_size, max(1.0, round(block_size / 2.3, 2)))
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Everything needed to build a drafter for one target.
+
+    hidden_size .. rope_theta mirror the target (Qwen3-style layer fields);
+    num_hidden_layers is the drafter's own depth; target_layer_ids are output indices of
+    target decoder layers (0-based; the feature of layer l is hidden_states[l+1]).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_hidden_layers: int = 1
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    # informational: which target this drafter was built for (id + weights hash)
+    target_id: str = ""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        bad = [l for l in self.target_layer_ids if not 0 <= l < self.num_target_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {bad} out of range for a target with {self.num_target_layers} layers"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside vocabulary of {self.vocab_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        object.__setattr__(self, "target_layer_ids", tuple(int(l) for l in self.target_layer_ids))
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def gamma(self) -> float:
+        return default_gamma(self.block_size)
+
+    def replace(self, **changes) -> "DrafterConfig":
+        return replace(self, **changes)
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config,
+        mask_token_id: int,
+        num_hidden_layers: int = 1,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        num_taps: int = 5,
+        target_id: str = "",
+    ) -> "DrafterConfig":
+        """Copy the layer shape from a transformers config of the target."""
+        n_layers = target_config.num_hidden_layers
+        heads = target_config.num_attention_heads
+        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
+        rope_theta = getattr(target_config, "rope_theta", None)
+        if rope_theta is None:  # transformers 5 keeps it in rope_parameters
+            rope_theta = (getattr(target_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        return cls(
+            hidden_size=target_config.hidden_size,
+            intermediate_size=target_config.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=target_config.vocab_size,
+            num_target_layers=n_layers,
+            target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(n_layers, num_taps)),
+            mask_token_id=mask_token_id,
+            num_hidden_layers=num_hidden_layers,
+            block_size=block_size,
+            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=getattr(target_config, "max_position_embeddings", 8192),
+            target_id=target_id,
+        )
+
+    # --- public DFlash drafter layout (config.json) -----------------------------------
+    def to_hf_dict(self) -> dict:
+        """config.json in the layout of the public DFlash drafters (Qwen3-style fields)."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "block_size": self.block_size,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "hidden_size": self.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_target_layers": self.num_target_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": None,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "vocab_size": self.vocab_size,
+            "dflash_ray": {"target_id": self.target_id, **self.extra},
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "DrafterConfig":
+        missing = [k for k in ("block_size", "dflash_config", "hidden_size", "num_hidden_layers",
+                               "num_target_layers", "vocab_size") if k not in d]
+        if missing:
+            raise ValueError(f"drafter config.json lacks required fields {missing}")
+        dc = d["dflash_config"]
+        heads = d.get("num_attention_heads", 1)
+        ours = dict(d.get("dflash_ray") or {})
+        target_id = ours.pop("target_id", "")
+        rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            vocab_size=d["vocab_size"],
+            num_target_layers=d["num_target_layers"],
+            target_layer_ids=tuple(dc["target_layer_ids"]),
+            mask_token_id=dc["mask_token_id"],
+            num_hidden_layers=d["num_hidden_layers"],
+            block_size=d["block_size"],
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=d.get("max_position_embeddings", 8192),
+            hidden_act=d.get("hidden_act", "silu"),
+            attention_bias=d.get("attention_bias", False),
+            target_id=target_id,
+            extra=ours,
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)

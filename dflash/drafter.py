@@ -1,0 +1,186 @@
+"""The DFlash drafter: a few Qwen3-style layers that denoise a whole block in one pass.
+
+Each layer attends over [context keys/values ; block keys/values]. The context part is the
+"KV injection": the target's tapped hidden states, fused once (fc + RMSNorm), go through
+THIS layer's k_proj/v_proj (+ k_norm, + RoPE at their absolute positions) and are prepended
+to the block's keys/values. Context features never enter Q, O, the MLP or the residual
+stream. The drafter owns no embedding and no LM head: callers embed with the target's
+embedding and score with the target's LM head (both frozen).
+
+The same `forward` serves training (many blocks per sequence, a block mask from
+`dflash.masks`) and inference (one block per sequence, a cached context), which is what
+makes the train/inference parity test meaningful.
+
+Shapes: b batch, q block queries, c context slots, D hidden, H/Hkv heads, d head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.config import DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Standard (non-interleaved, rotate-half) RoPE, as in Llama/Qwen3."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions (b, t) -> cos, sin (b, 1, t, d) ready to broadcast over heads
+        freqs = positions.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def key_value(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (b, t, D) -> k, v (b, Hkv, t, d); k normed and rotated at its positions."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        """h (b, q, D) block stream; ctx_k/ctx_v (b, Hkv, c, d); mask (b, 1, q, c+q) bool."""
+        b, q, _ = h.shape
+        query = self.q_norm(self.q_proj(h).view(b, q, self.n_heads, self.head_dim)).transpose(1, 2)
+        query = apply_rope(query, cos, sin)
+        k_blk, v_blk = self.key_value(h, cos, sin)
+        k = torch.cat([ctx_k, k_blk], dim=2)
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        out = F.scaled_dot_product_attention(
+            query, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, q, self.n_heads * self.head_dim))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DrafterMLP(cfg)
+
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k, v (b, Hkv, c, d)
+
+
+class DFlashDrafter(nn.Module):
+    """fc + hidden_norm fuse the target taps; `layers` denoise the block; `norm` before the LM head."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02):
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> ContextKV:
+        """taps (b, c, n_taps*D) raw target features -> per-layer injected k, v.
+
+        Callers zero the taps of padding slots first (they are masked, but NaN*0 is NaN).
+        """
+        fused = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary(positions, fused.dtype)
+        return [layer.self_attn.key_value(fused, cos, sin) for layer in self.layers]
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        context: ContextKV,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """block_embeds (b, q, D), block_positions (b, q), context from `context_kv`,
+        mask (b, 1, q, c+q) bool (True = may attend) -> final hidden (b, q, D), normed."""
+        h = block_embeds.to(self.fc.weight.dtype)
+        cos, sin = self.rotary(block_positions, h.dtype)
+        for layer, (ctx_k, ctx_v) in zip(self.layers, context):
+            h = layer(h, cos, sin, ctx_k, ctx_v, mask)
+        return self.norm(h)
+
+
+def concat_context(a: ContextKV | None, b: ContextKV) -> ContextKV:
+    """Append context slots (dim 2) layer by layer."""
+    if a is None:
+        return b
+    return [(torch.cat([ka, kb], 2), torch.cat([va, vb], 2)) for (ka, va), (kb, vb) in zip(a, b)]
+
+
+def crop_context(ctx: ContextKV, length: int) -> ContextKV:
+    return [(k[:, :, :length], v[:, :, :length]) for k, v in ctx]
+
+
+def select_context(ctx: ContextKV, rows: torch.Tensor) -> ContextKV:
+    return [(k[rows], v[rows]) for k, v in ctx]
+
+
+def left_pad_context(ctx: ContextKV, pad: int) -> ContextKV:
+    """Prepend `pad` zero slots (used to align batches of different lengths)."""
+    if pad == 0:
+        return ctx
+    return [(F.pad(k, (0, 0, pad, 0)), F.pad(v, (0, 0, pad, 0))) for k, v in ctx]

@@ -1,0 +1,1 @@
+"""Entrypoints and configs: the `dflash` command line, YAML configs per stage, the demo."""

@@ -1,0 +1,1 @@
+"""Distributed programs: Ray Data distillation, Ray Train training."""

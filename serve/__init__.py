@@ -1,0 +1,1 @@
+"""Ray Serve application: target+drafter replicas behind an OpenAI-compatible API."""
