@@ -37,16 +37,21 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Standard (non-interleaved, rotate-half) RoPE, as in Llama/Qwen3."""
+    """Standard (non-interleaved, rotate-half) RoPE, as in Llama/Qwen3.
+
+    Frequencies are computed in fp32 on every call (no buffer), so casting the drafter to
+    bf16 never rounds them.
+    """
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions (b, t) -> cos, sin (b, 1, t, d) ready to broadcast over heads
-        freqs = positions.float()[..., None] * self.inv_freq.float()
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device) / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponent)
+        freqs = positions.float()[..., None] * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

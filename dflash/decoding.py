@@ -1,0 +1,409 @@
+"""Speculative decoding with a DFlash drafter, batched, with ragged acceptance per sequence.
+
+One cycle for every in-flight sequence (block size B):
+  1. draft   the drafter denoises [anchor, MASK x (B-1)] in one pass over its context
+             (the fused target features of every verified token before the anchor);
+  2. verify  the target scores [anchor, d_1 .. d_{B-1}] in one pass;
+  3. accept  the longest agreeing prefix plus one bonus token from the target
+             (dflash.sampling: greedy, "match" or "rejection" rule);
+  4. commit  keep the anchor and accepted drafts in both caches, drop the rest; the
+             bonus token becomes the next anchor.
+Plain autoregressive decoding is the same loop with no drafter (B = 1: verify the anchor,
+emit the bonus), so the baseline shares every line of bookkeeping.
+
+Cache layout. Sequences in a batch accept different numbers of tokens, so slots are not
+positions. Both the target's KV cache and the drafter's context cache have the same S
+slots per row, and `slot_valid` (b, S) says which slots hold a verified token of that row;
+padding and rejected drafts are holes. Positions are tracked per row (`next_pos`), and
+every attention mask is built from `slot_valid` (dflash.masks), so holes cost memory but
+never change results. Worked example, B=4, two rows after a cycle where row 0 accepted 2
+drafts and row 1 accepted none:
+    slots appended this cycle   [a  d1 d2 d3]         keep = num_accepted + 1 = [3, 1]
+    cache cropped to S + max(keep) = S + 3 slots
+    row 0 valid  [.. 1 1 1]     row 1 valid  [.. 1 0 0]      next_pos += [3, 1]
+`compact()` squeezes the holes out (a per-row gather) once they pile up.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from dflash.drafter import DFlashDrafter, concat_context
+from dflash.masks import causal_attention_mask, extend_attention_mask
+from dflash.sampling import VERIFY_RULES, sample_from, token_probs, verify_match, verify_rejection
+from dflash.target import Target
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. temperature 0 = greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class RequestStats:
+    """Speculative statistics of one request. Times are the wall time of the batched
+    passes this request took part in."""
+
+    block_size: int
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)  # accepted + 1, per cycle
+    prefill_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verify cycle (accepted drafts + the bonus), in [1, B]."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    def histogram(self) -> list[int]:
+        """counts[i] = cycles that emitted i+1 tokens, i in 0..B-1."""
+        counts = [0] * self.block_size
+        for n in self.acceptance_lengths:
+            counts[min(n, self.block_size) - 1] += 1
+        return counts
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "cycles": len(self.acceptance_lengths),
+            "tau": round(self.tau, 4),
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "acceptance_histogram": self.histogram(),
+            "prefill_time_s": round(self.prefill_time_s, 5),
+            "draft_time_s": round(self.draft_time_s, 5),
+            "verify_time_s": round(self.verify_time_s, 5),
+            "total_time_s": round(self.total_time_s, 5),
+            "tokens_per_s": round(self.generated_tokens / self.total_time_s, 3) if self.total_time_s > 0 else 0.0,
+        }
+
+
+@dataclass
+class Request:
+    """One sequence in flight: its parameters, output so far and statistics."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stats: RequestStats
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def emit(self, tokens: list[int], stop_ids: set[int]) -> list[int]:
+        """Append tokens up to a stop token (kept) or max_new_tokens; return what was added."""
+        added = []
+        for tok in tokens:
+            if self.finished:
+                break
+            self.output_ids.append(tok)
+            added.append(tok)
+            if tok in stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+        self.stats.generated_tokens = len(self.output_ids)
+        return added
+
+
+@dataclass
+class DecodeBatch:
+    """The state of a batch in flight. All tensors share the row order of `requests`."""
+
+    requests: list[Request]
+    cache: DynamicCache  # target KV, S slots
+    context: list | None  # drafter context K/V per layer, S slots (None without a drafter)
+    slot_valid: torch.Tensor  # (b, S) bool
+    next_pos: torch.Tensor  # (b,) position of the anchor = number of verified tokens
+    anchor: torch.Tensor  # (b,) last emitted token, not yet in either cache
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_valid.shape[1]
+
+
+# --- cache surgery: the same slot operation applied to the target cache and the context ---
+
+def _map_kv(batch: DecodeBatch, fn) -> None:
+    for layer in batch.cache.layers:
+        if getattr(layer, "is_sliding", False):
+            raise NotImplementedError("sliding-window target layers are not supported by DFlash decoding")
+        layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+    if batch.context is not None:
+        batch.context = [(fn(k), fn(v)) for k, v in batch.context]
+
+
+def select_rows(batch: DecodeBatch, rows: list[int]) -> DecodeBatch:
+    """Keep only `rows` (e.g. drop finished requests)."""
+    idx = torch.tensor(rows, dtype=torch.long, device=batch.slot_valid.device)
+    _map_kv(batch, lambda x: x.index_select(0, idx.to(x.device)))
+    return DecodeBatch(
+        requests=[batch.requests[i] for i in rows], cache=batch.cache, context=batch.context,
+        slot_valid=batch.slot_valid[idx], next_pos=batch.next_pos[idx], anchor=batch.anchor[idx])
+
+
+def compact(batch: DecodeBatch) -> DecodeBatch:
+    """Squeeze out holes: each row's valid slots, in order, right-aligned in S' = max valid."""
+    valid = batch.slot_valid
+    width = int(valid.sum(1).max())
+    if width == valid.shape[1]:
+        return batch
+    order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices[:, -width:]  # (b, S')
+
+    def gather(x):  # x (b, h, S, d)
+        idx = order.to(x.device)[:, None, :, None].expand(x.shape[0], x.shape[1], width, x.shape[3])
+        return x.gather(2, idx)
+
+    _map_kv(batch, gather)
+    batch.slot_valid = valid.gather(1, order)
+    return batch
+
+
+def merge(a: DecodeBatch, b: DecodeBatch) -> DecodeBatch:
+    """Join two batches (requests joining between steps): left-pad to a common slot count."""
+    s = max(a.num_slots, b.num_slots)
+    for part in (a, b):
+        pad = s - part.num_slots
+        if pad:
+            _map_kv(part, lambda x, pad=pad: torch.nn.functional.pad(x, (0, 0, pad, 0)))
+            part.slot_valid = torch.nn.functional.pad(part.slot_valid, (pad, 0), value=False)
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        la.keys, la.values = torch.cat([la.keys, lb.keys]), torch.cat([la.values, lb.values])
+    context = None
+    if a.context is not None:
+        context = [(torch.cat([ka, kb]), torch.cat([va, vb])) for (ka, va), (kb, vb) in zip(a.context, b.context)]
+    return DecodeBatch(
+        requests=a.requests + b.requests, cache=a.cache, context=context,
+        slot_valid=torch.cat([a.slot_valid, b.slot_valid]), next_pos=torch.cat([a.next_pos, b.next_pos]),
+        anchor=torch.cat([a.anchor, b.anchor]))
+
+
+class SpeculativeDecoder:
+    """Target (+ optional DFlash drafter) -> batched lossless decoding.
+
+    verify: "rejection" (default; accepts more at T > 0) or "match"; greedy requests are
+    exact under either. block_size defaults to the drafter's; 1 without a drafter.
+    """
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | None = None,
+                 verify: str = "rejection", block_size: int | None = None):
+        if verify not in VERIFY_RULES:
+            raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
+        self.target = target
+        self.drafter = drafter.eval().requires_grad_(False) if drafter is not None else None
+        self.verify = verify
+        if drafter is None:
+            self.block_size = 1
+        else:
+            cfg = drafter.config
+            check_drafter_matches_target(cfg, target)
+            self.block_size = block_size or cfg.block_size
+            if self.block_size < 2:
+                raise ValueError("a drafter needs block_size >= 2")
+            self.tap_ids = cfg.target_layer_ids
+            self.mask_token_id = cfg.mask_token_id
+        self.stop_token_ids = set(target.stop_token_ids)
+        self.max_positions = getattr(target.config, "max_position_embeddings", 1 << 30)
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _uniforms(self, batch: DecodeBatch, n: int) -> torch.Tensor:
+        """(b, n) uniforms, each row from its own request's generator."""
+        return torch.stack([torch.rand(n, generator=r.generator) for r in batch.requests]).to(self.device)
+
+    def _param_tensors(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        temps = torch.tensor([r.params.temperature for r in requests], device=self.device)
+        top_ps = torch.tensor([r.params.top_p for r in requests], device=self.device)
+        return temps, top_ps
+
+    # --- prefill ------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> DecodeBatch:
+        """Run the prompts through the target, emit each request's first token (the first anchor)."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if not prompts or len(prompts) != len(params):
+            raise ValueError("prefill needs one SamplingParams per prompt and at least one prompt")
+        for p, sp in zip(prompts, params):
+            if not p:
+                raise ValueError("empty prompt: at least one token is needed")
+            if len(p) + sp.max_new_tokens + self.block_size > self.max_positions:
+                raise ValueError(f"prompt of {len(p)} tokens + max_new_tokens {sp.max_new_tokens} exceeds the "
+                                 f"target's context of {self.max_positions} tokens")
+        t0 = time.perf_counter()
+        requests = []
+        for p, sp in zip(prompts, params):
+            g = torch.Generator()
+            g.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+            requests.append(Request(list(p), sp, RequestStats(self.block_size, prompt_tokens=len(p)), g, started=t0))
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        width = int(lens.max())
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, device=self.device)
+        valid = torch.arange(width, device=self.device)[None] >= (width - lens)[:, None]
+        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.target.config)
+        out = self.target.forward(ids, positions, causal_attention_mask(valid), cache,
+                                  tap_layer_ids=self.tap_ids if self.drafter is not None else None,
+                                  logits_slice=slice(-1, None))
+        context = None
+        if self.drafter is not None:
+            taps = out.taps.masked_fill(~valid[..., None], 0)
+            context = self.drafter.context_kv(taps, positions)
+        batch = DecodeBatch(requests, cache, context, valid, lens.clone(), torch.zeros_like(lens))
+        temps, top_ps = self._param_tensors(requests)
+        first = sample_from(token_probs(out.logits[:, -1], temps, top_ps), self._uniforms(batch, 1)[:, 0])
+        batch.anchor = first
+        self._sync()
+        dt = time.perf_counter() - t0
+        for r, tok in zip(requests, first.tolist()):
+            r.stats.prefill_time_s = dt
+            r.emit([tok], self.stop_token_ids | set(r.params.stop_token_ids))
+        return batch
+
+    # --- one speculative cycle ----------------------------------------------------------
+    @torch.no_grad()
+    def step(self, batch: DecodeBatch) -> list[list[int]]:
+        """Draft, verify, accept, commit. Returns the tokens each request emitted this cycle.
+
+        Finished requests must have been removed (see `generate` / `drop_finished`).
+        """
+        b, B = len(batch), self.block_size
+        temps, top_ps = self._param_tensors(batch.requests)
+        u = self._uniforms(batch, 3 * B)  # draft sampling | acceptance | target/bonus draws
+        positions = batch.next_pos[:, None] + torch.arange(B, device=self.device)  # (b, B)
+
+        t0 = time.perf_counter()
+        q = draft = None
+        if self.drafter is not None:
+            block = torch.full((b, B), self.mask_token_id, dtype=torch.long, device=self.device)
+            block[:, 0] = batch.anchor
+            hidden = self.drafter(self.target.embed(block), positions, batch.context,
+                                  extend_attention_mask(batch.slot_valid, B, causal=False))
+            q = token_probs(self.target.lm_head(hidden[:, 1:]), temps, top_ps)  # (b, B-1, V)
+            if self.verify == "rejection":
+                draft = sample_from(q, u[:, : B - 1])
+            else:
+                draft = q.argmax(-1)
+            verify_ids = torch.cat([batch.anchor[:, None], draft], dim=1)
+        else:
+            verify_ids = batch.anchor[:, None]
+        self._sync()
+        t1 = time.perf_counter()
+        out = self.target.forward(verify_ids, positions, extend_attention_mask(batch.slot_valid, B, causal=True),
+                                  batch.cache, tap_layer_ids=self.tap_ids if self.drafter is not None else None)
+        p = token_probs(out.logits, temps, top_ps)  # (b, B, V)
+        if draft is None:
+            n_acc = torch.zeros(b, dtype=torch.long, device=self.device)
+            bonus = sample_from(p[:, 0], u[:, 2 * B])
+        elif self.verify == "rejection":
+            n_acc, bonus = verify_rejection(draft, q, p, u[:, B - 1: 2 * B - 2], u[:, 2 * B])
+        else:
+            n_acc, bonus = verify_match(draft, p, u[:, 2 * B - 1: 3 * B - 1] if B > 1 else u[:, 2 * B:])
+        self._sync()
+        t2 = time.perf_counter()
+
+        # commit: keep anchor + accepted drafts (keep = n_acc + 1 slots of this block)
+        keep = n_acc + 1
+        width = int(keep.max())
+        s = batch.num_slots
+        if B > width:
+            batch.cache.crop(-(B - width))
+        new_valid = torch.arange(width, device=self.device)[None] < keep[:, None]
+        if self.drafter is not None:
+            taps = out.taps[:, :width].masked_fill(~new_valid[..., None], 0)
+            batch.context = concat_context(batch.context, self.drafter.context_kv(taps, positions[:, :width]))
+        batch.slot_valid = torch.cat([batch.slot_valid, new_valid], dim=1)
+        assert batch.slot_valid.shape[1] == s + width
+        batch.next_pos = batch.next_pos + keep
+        batch.anchor = bonus
+
+        emitted = []
+        draft_list = draft.tolist() if draft is not None else [[]] * b
+        for i, r in enumerate(batch.requests):
+            n = int(n_acc[i])
+            r.stats.acceptance_lengths.append(n + 1)
+            r.stats.draft_time_s += t1 - t0
+            r.stats.verify_time_s += t2 - t1
+            emitted.append(r.emit(draft_list[i][:n] + [int(bonus[i])], self.stop_token_ids | set(r.params.stop_token_ids)))
+        return emitted
+
+    # --- driving loop -------------------------------------------------------------------
+    def drop_finished(self, batch: DecodeBatch) -> tuple[DecodeBatch | None, list[Request]]:
+        """Remove finished requests; compact the caches when holes exceed a quarter of the slots."""
+        done = [r for r in batch.requests if r.finished]
+        now = time.perf_counter()
+        for r in done:
+            r.stats.total_time_s = now - r.started
+        if len(done) == len(batch):
+            return None, done
+        if done:
+            batch = select_rows(batch, [i for i, r in enumerate(batch.requests) if not r.finished])
+        holes = batch.num_slots - int(batch.slot_valid.sum(1).max())
+        if holes > max(16, batch.num_slots // 4):
+            batch = compact(batch)
+        return batch, done
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
+                 batch_size: int | None = None) -> list[Request]:
+        """Decode every prompt to completion, `batch_size` at a time (all at once by default)."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        size = batch_size or len(prompts)
+        results: list[Request] = []
+        for start in range(0, len(prompts), size):
+            batch = self.prefill(prompts[start:start + size], params[start:start + size])
+            results.extend(batch.requests)
+            batch, _ = self.drop_finished(batch)
+            while batch is not None:
+                self.step(batch)
+                batch, _ = self.drop_finished(batch)
+        return results
+
+
+def check_drafter_matches_target(cfg, target: Target) -> None:
+    """Refuse a drafter made for another target, naming the mismatch."""
+    problems = []
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
+    if cfg.num_target_layers != target.num_layers:
+        problems.append(f"made for a {cfg.num_target_layers}-layer target, this target has {target.num_layers}")
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {cfg.vocab_size} != target's {target.vocab_size}")
+    if problems:
+        raise ValueError(f"drafter does not fit target {target.target_id}: " + "; ".join(problems))

@@ -1,0 +1,92 @@
+"""Pure functions for sampling and lossless verification of a drafted block.
+
+Greedy decoding is the temperature-0 limit of everything here: `token_probs` returns a
+one-hot distribution at the argmax, so both verification rules reduce to "accept while the
+draft equals the target's argmax, then emit the target's argmax" and one code path serves
+greedy and sampled requests in the same batch.
+
+Verification rules (DESIGN.md section 1), for draft tokens d_1..d_k and target
+distributions p_1..p_{k+1} (p_i is the target's distribution for the token at draft slot i):
+  "match"     draft greedily; the target samples y_i ~ p_i; accept d_i while d_i == y_i;
+              the bonus token is y at the first mismatch (or y_{k+1}). Lossless because the
+              emitted tokens are exactly the target's own samples.
+  "rejection" draft d_i ~ q_i; accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at
+              the first rejection emit a sample of norm(max(p_i - q_i, 0)); if all accepted
+              emit a sample of p_{k+1}. Lossless because q_i depends only on the context
+              (single-step block denoising), the classic speculative-sampling argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VERIFY_RULES = ("match", "rejection")
+
+
+def token_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits (b, ..., V); temperature, top_p (b,) -> probabilities (b, ..., V), float32.
+
+    Rows with temperature 0 get a one-hot at the argmax. top_p keeps the smallest set of
+    tokens whose mass reaches top_p (the top token always survives).
+    """
+    logits = logits.float()
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    t = temperature.to(logits.device, torch.float32).view(shape)
+    greedy = t <= 0
+    probs = torch.softmax(logits / torch.where(greedy, torch.ones_like(t), t), dim=-1)
+    p = top_p.to(logits.device, torch.float32).view(shape)
+    if bool((p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        keep_sorted = mass_before < p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
+    onehot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy, onehot, probs)
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling with caller-supplied uniforms: probs (..., V), u (...) in [0, 1).
+
+    Taking the uniforms as input makes every draw reproducible per request (each request
+    owns a torch.Generator) whatever batch it shares, and one-hot rows return their argmax.
+    """
+    cdf = probs.cumsum(-1)
+    target = (u.to(cdf.device, cdf.dtype) * cdf[..., -1])[..., None]
+    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True)
+    return idx.squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def accepted_prefix_length(accept: torch.Tensor) -> torch.Tensor:
+    """accept (b, k) bool -> number of leading Trues (b,). [T, T, F, T] -> 2."""
+    return accept.long().cumprod(dim=1).sum(dim=1)
+
+
+def verify_match(draft: torch.Tensor, p: torch.Tensor, u_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft (b, k); p (b, k+1, V); u_target (b, k+1) -> (num_accepted (b,), bonus (b,))."""
+    y = sample_from(p, u_target)  # (b, k+1): the target's own samples
+    n = accepted_prefix_length(draft == y[:, :-1])
+    return n, y.gather(1, n[:, None]).squeeze(1)
+
+
+def verify_rejection(
+    draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, u_accept: torch.Tensor, u_bonus: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft (b, k) sampled from q (b, k, V); p (b, k+1, V); u_accept (b, k); u_bonus (b,).
+
+    -> (num_accepted (b,), bonus (b,)).
+    """
+    b, k = draft.shape
+    p_d = p[:, :k].gather(-1, draft[..., None]).squeeze(-1)
+    q_d = q.gather(-1, draft[..., None]).squeeze(-1)
+    accept = u_accept * q_d < p_d  # u < p/q without dividing by a zero q
+    n = accepted_prefix_length(accept)
+    # distribution of the bonus token: residual at the first rejection, else p_{k+1}
+    rows = torch.arange(b, device=draft.device)
+    p_n = p[rows, n]
+    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # q_{k+1} = 0 -> residual = p
+    residual = (p_n - q_pad[rows, n]).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)  # p == q exactly: any draw of p
+    return n, sample_from(residual, u_bonus)
