@@ -21,11 +21,14 @@ reject reasons, and the deterministic train / held-out split. No Ray, no model.
 from __future__ import annotations
 
 import hashlib
+import os
+import uuid
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -252,3 +255,79 @@ def check_dataset(
     if problems:
         raise DataMismatchError(f"dataset {directory} does not fit: " + "; ".join(problems))
     return meta
+
+
+# --- rows <-> Arrow ---------------------------------------------------------------------------
+
+def _offsets(lengths: list[int]) -> pa.Array:
+    return pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32), pa.int32())
+
+
+def build_table(
+    meta: DatasetMetadata,
+    sample_ids: list[str],
+    input_ids: list[list[int]],
+    loss_masks: list[list[int]],
+    hidden: list[np.ndarray] | None = None,
+) -> pa.Table:
+    """Rows -> a Table with the exact shard schema (explicit standard Arrow types, so every
+    file of a directory agrees and plain pyarrow reads them together).
+
+    hidden: per sample (num_tokens, n_taps*D) float16, or None when meta.features == "none".
+    """
+    lengths = [len(s) for s in input_ids]
+    if [len(m) for m in loss_masks] != lengths:
+        raise ValueError("loss_mask and input_ids lengths differ")
+    offsets = _offsets(lengths)
+    cols = [
+        pa.array(sample_ids, pa.string()),
+        pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(input_ids).astype(np.int32), pa.int32())),
+        pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(loss_masks).astype(np.uint8), pa.uint8())),
+        pa.array(lengths, pa.int32()),
+    ]
+    width = meta.hidden_width
+    if width is not None:
+        if hidden is None or [h.shape for h in hidden] != [(n, width) for n in lengths]:
+            raise ValueError(f"hidden must be one (num_tokens, {width}) array per sample")
+        flat = pa.array(np.concatenate([h.reshape(-1) for h in hidden]).astype(np.float16), pa.float16())
+        cols.append(pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(flat, width)))
+    return pa.Table.from_arrays(cols, schema=meta.schema())
+
+
+def hidden_arrays(table: pa.Table) -> list[np.ndarray]:
+    """The `hidden` column -> per sample (num_tokens, n_taps*D) float16 (zero-copy views)."""
+    col = table.column("hidden").combine_chunks()
+    width = col.type.value_type.list_size
+    flat = col.flatten().flatten().to_numpy(zero_copy_only=False).reshape(-1, width)  # (sum T, W)
+    offs = col.offsets.to_numpy()
+    offs = offs - offs[0]
+    return [flat[offs[i]: offs[i + 1]] for i in range(len(col))]
+
+
+# --- files ------------------------------------------------------------------------------------
+
+MANIFEST_NAME = "_manifest.json"  # "_" prefix: pyarrow's directory discovery skips it
+REJECTS_NAME = "_rejects.jsonl"
+
+
+def shard_name(index: int) -> str:
+    """Deterministic file name of shard `index` (shards hold consecutive planned samples)."""
+    return f"part-{index:05d}.parquet"
+
+
+def write_shard(table: pa.Table, path: str | Path) -> int:
+    """Write a shard so that readers never see a partial file: a hidden temporary name in the
+    same directory, fsync, then an atomic rename. Returns the file size in bytes.
+
+    zstd everywhere; the fp16 features also get BYTE_STREAM_SPLIT (the high and low bytes
+    of every value stored apart), which zstd compresses far better than interleaved halves.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    split_cols = ["hidden.list.element.list.element"] if "hidden" in table.column_names else False
+    pq.write_table(table, tmp, compression="zstd", use_dictionary=["sample_id"],
+                   use_byte_stream_split=split_cols, row_group_size=64)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path.stat().st_size

@@ -298,6 +298,18 @@ class SpeculativeDecoder:
 
     # --- one speculative cycle ----------------------------------------------------------
     @torch.no_grad()
+    def draft_logits(self, batch: DecodeBatch) -> torch.Tensor:
+        """One drafter pass over [anchor, MASK x (B-1)] per row -> logits (b, B-1, V) for
+        the tokens at positions next_pos+1 .. next_pos+B-1."""
+        b, B = len(batch), self.block_size
+        block = torch.full((b, B), self.mask_token_id, dtype=torch.long, device=self.device)
+        block[:, 0] = batch.anchor
+        positions = batch.next_pos[:, None] + torch.arange(B, device=self.device)
+        hidden = self.drafter(self.target.embed(block), positions, batch.context,
+                              extend_attention_mask(batch.slot_valid, B, causal=False))
+        return self.target.lm_head(hidden[:, 1:]).float()
+
+    @torch.no_grad()
     def step(self, batch: DecodeBatch) -> list[list[int]]:
         """Draft, verify, accept, commit. Returns the tokens each request emitted this cycle.
 
@@ -311,11 +323,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         q = draft = None
         if self.drafter is not None:
-            block = torch.full((b, B), self.mask_token_id, dtype=torch.long, device=self.device)
-            block[:, 0] = batch.anchor
-            hidden = self.drafter(self.target.embed(block), positions, batch.context,
-                                  extend_attention_mask(batch.slot_valid, B, causal=False))
-            q = token_probs(self.target.lm_head(hidden[:, 1:]), temps, top_ps)  # (b, B-1, V)
+            q = token_probs(self.draft_logits(batch), temps, top_ps)  # (b, B-1, V)
             if self.verify == "rejection":
                 draft = sample_from(q, u[:, : B - 1])
             else:

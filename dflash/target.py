@@ -165,6 +165,8 @@ class Target:
         """End-of-turn/sequence ids: generation_config eos plus the tokenizer's eos."""
         ids = getattr(self.model.generation_config, "eos_token_id", None)
         ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self.tokenizer is None:
+            return sorted(set(ids))
         if self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):

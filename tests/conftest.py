@@ -15,10 +15,13 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import sys
+
 import pytest
 import torch
 
-torch.set_num_threads(1)
+torch.set_num_threads(1)  # 2 shared cores: oversubscribed threads are catastrophic
+sys.path.insert(0, os.path.dirname(__file__))  # tests/support.py
 
 _RAY_TMP = tempfile.mkdtemp(prefix="dflash-ray-tests-")
 
@@ -70,3 +73,14 @@ def pytest_sessionfinish(session, exitstatus):
             ray.shutdown()
     except Exception:
         pass
+
+
+@pytest.fixture(scope="session")
+def trained(target_fp32):
+    """A drafter trained briefly (~1 min) to memorise the target's greedy answers to four
+    chat prompts: (drafter, history, prompts, outputs)."""
+    from support import CHAT_PROMPTS, chat_prompt_ids, train_memorising_drafter
+
+    prompts = chat_prompt_ids(target_fp32, CHAT_PROMPTS[:4])
+    drafter, history, outputs = train_memorising_drafter(target_fp32, prompts)
+    return drafter, history, prompts, outputs

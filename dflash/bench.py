@@ -1,0 +1,137 @@
+"""Benchmark: autoregressive vs DFlash decoding of the same target, side by side.
+
+Both run in the same process, on the same prompts, one prompt at a time (latency, the
+regime speculative decoding is for), after a warm-up. Reported per run: tau, acceptance
+histogram, tokens/s of each, speedup, the exact-match rate against AR, and `lossless`:
+  fp32 greedy  every DFlash output equals the AR output token for token;
+  bf16 greedy  every emitted token is the target's argmax given the emitted prefix, up to
+               `margin` logits, re-scored with one teacher-forced pass (a multi-token verify
+               rounds differently from one-token steps, so near-ties may flip);
+  T > 0        not checkable per sample (see tests/test_sampling.py for the distribution test).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dflash.decoding import SamplingParams, SpeculativeDecoder
+from dflash.masks import causal_attention_mask
+from dflash.target import Target
+
+BF16_MARGIN = 0.5
+
+
+@torch.no_grad()
+def emitted_token_margins(target: Target, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """(len(output),) max logit minus the emitted token's logit, teacher-forced in one pass.
+    0 everywhere means every token was the target's argmax."""
+    if not output:
+        return torch.zeros(0)
+    ids = torch.tensor([prompt + output], device=target.device)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    pos = torch.arange(ids.shape[1], device=target.device)[None]
+    rows = target.forward(ids, pos, causal_attention_mask(valid)).logits[0, len(prompt) - 1: -1]
+    chosen = rows.gather(1, torch.tensor(output, device=rows.device)[:, None]).squeeze(1)
+    return (rows.max(1).values - chosen).cpu()
+
+
+def _prompt_lookup(target: Target, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    """transformers' prompt-lookup decoding (n-gram drafts from the prompt): a peer baseline."""
+    t0 = time.perf_counter()
+    out = target.model.generate(torch.tensor([prompt], device=target.device), max_new_tokens=max_new_tokens,
+                                do_sample=False, prompt_lookup_num_tokens=10, eos_token_id=target.stop_token_ids,
+                                pad_token_id=target.stop_token_ids[0] if target.stop_token_ids else 0)
+    return out[0, len(prompt):].tolist(), time.perf_counter() - t0
+
+
+def run_bench(
+    target: Target,
+    drafter,
+    prompts: list[list[int]],
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int = 0,
+    prompt_lookup: bool = False,
+    margin: float = BF16_MARGIN,
+    progress=None,
+) -> dict:
+    """AR vs DFlash on `prompts` (token ids). Returns a JSON-ready summary dict."""
+    ar = SpeculativeDecoder(target)
+    spec = SpeculativeDecoder(target, drafter)
+    B = spec.block_size
+    params = [SamplingParams(max_new_tokens, temperature=temperature, seed=seed + i) for i in range(len(prompts))]
+    # warm-up (allocator, kernels): not timed
+    ar.generate([prompts[0]], SamplingParams(4))
+    spec.generate([prompts[0]], SamplingParams(4))
+
+    ar_tokens = spec_tokens = pl_tokens = 0
+    ar_time = spec_time = pl_time = draft_time = verify_time = 0.0
+    hist = [0] * B
+    accept_lengths: list[int] = []
+    exact = 0
+    worst_margin = 0.0
+    pl_exact = 0
+    per_prompt = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        a = ar.generate([p], [sp])[0]
+        d = spec.generate([p], [sp])[0]
+        ar_tokens += len(a.output_ids)
+        ar_time += a.stats.total_time_s
+        spec_tokens += len(d.output_ids)
+        spec_time += d.stats.total_time_s
+        draft_time += d.stats.draft_time_s
+        verify_time += d.stats.verify_time_s
+        accept_lengths += d.stats.acceptance_lengths
+        for k, c in enumerate(d.stats.histogram()):
+            hist[k] += c
+        same = a.output_ids == d.output_ids
+        exact += same
+        if temperature == 0 and not same:
+            worst_margin = max(worst_margin, float(emitted_token_margins(target, p, d.output_ids).max()))
+        row = {"prompt_tokens": len(p), "ar_tokens": len(a.output_ids), "dflash_tokens": len(d.output_ids),
+               "tau": round(d.stats.tau, 3), "exact_match": same}
+        if prompt_lookup and temperature == 0:
+            out, dt = _prompt_lookup(target, p, max_new_tokens)
+            pl_tokens += len(out)
+            pl_time += dt
+            pl_exact += out == a.output_ids
+        per_prompt.append(row)
+        if progress:
+            progress(i + 1, len(prompts), row)
+
+    fp32 = target.dtype == torch.float32
+    if temperature > 0:
+        lossless = None
+    elif fp32:
+        lossless = exact == len(prompts)
+    else:
+        lossless = worst_margin <= margin
+    ar_tps = ar_tokens / ar_time if ar_time else 0.0
+    spec_tps = spec_tokens / spec_time if spec_time else 0.0
+    result = {
+        "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "device": str(target.device),
+        "block_size": B,
+        "tau": round(sum(accept_lengths) / len(accept_lengths), 4) if accept_lengths else 0.0,
+        "acceptance_histogram": hist,
+        "ar_tokens_per_s": round(ar_tps, 3),
+        "dflash_tokens_per_s": round(spec_tps, 3),
+        "speedup": round(spec_tps / ar_tps, 4) if ar_tps else 0.0,
+        "exact_match_rate": round(exact / len(prompts), 4),
+        "lossless": lossless,
+        "lossless_rule": None if temperature > 0 else ("exact" if fp32 else f"argmax within {margin} logits"),
+        "worst_argmax_margin": round(worst_margin, 4),
+        "draft_time_per_cycle_ms": round(1000 * draft_time / max(1, len(accept_lengths)), 3),
+        "verify_time_per_cycle_ms": round(1000 * verify_time / max(1, len(accept_lengths)), 3),
+        "per_prompt": per_prompt,
+    }
+    if prompt_lookup and temperature == 0:
+        result["prompt_lookup_tokens_per_s"] = round(pl_tokens / pl_time, 3) if pl_time else 0.0
+        result["prompt_lookup_speedup"] = round((pl_tokens / pl_time) / ar_tps, 4) if pl_time and ar_tps else 0.0
+        result["prompt_lookup_exact_match_rate"] = round(pl_exact / len(prompts), 4)
+    return result

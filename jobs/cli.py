@@ -1,0 +1,288 @@
+"""The `dflash` command line: one console script, a subcommand per stage.
+
+    dflash generate --target default --drafter DIR|random --prompt TEXT [--chat] [--json]
+    dflash bench    --target default --drafter DIR|random --dataset mt-bench --json OUT.json
+    dflash distill  --config jobs/configs/distill.yaml [key=value ...]
+    dflash train    --config jobs/configs/train.yaml [key=value ...]
+    dflash export   RUN_DIR OUT_DIR
+    dflash serve    --config serve/config.yaml [key=value ...]
+    dflash demo
+
+Stages are imported lazily, so `dflash generate` never pays for importing Ray. Errors a
+user can fix (a missing file, a bad key, a drafter for another target) print one line and
+exit with status 2; nothing is overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "RAY_USAGE_STATS_ENABLED": "0"}.items():
+    os.environ.setdefault(_k, _v)
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs: reported in one line, exit status 2."""
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash"))
+
+
+def _load_target(args):
+    from dflash.target import load_target
+
+    try:
+        return load_target(args.target, device=args.device, dtype=args.dtype, cache_dir=_cache_dir())
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from e
+
+
+def _load_drafter(spec: str | None, target, args):
+    """None -> no drafter (plain AR); 'random' -> a fresh drafter for this target; else a directory."""
+    import torch
+
+    from dflash.checkpoint import CheckpointError, load_drafter
+    from dflash.config import DrafterConfig
+    from dflash.drafter import DFlashDrafter
+    from dflash.target import choose_mask_token_id, parse_dtype
+
+    if spec in (None, "", "none"):
+        return None
+    if spec == "random":
+        torch.manual_seed(args.seed)
+        cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), num_taps=3,
+                                       target_id=target.target_id)
+        return DFlashDrafter(cfg).to(device=target.device, dtype=parse_dtype(args.dtype)).eval()
+    if not Path(spec).exists():
+        raise UserError(f"drafter directory not found: {spec}")
+    try:
+        return load_drafter(spec, target=target, device=target.device, dtype=args.dtype)
+    except CheckpointError as e:
+        raise UserError(str(e)) from e
+
+
+def _prompt_ids(target, text: str, chat: bool) -> list[int]:
+    if chat:
+        return target.chat_ids([{"role": "user", "content": text}])
+    return target.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _set_threads(n: int | None):
+    import torch
+
+    if n:
+        torch.set_num_threads(n)
+
+
+# --- generate ---------------------------------------------------------------------------
+
+def cmd_generate(args) -> int:
+    from dflash.decoding import SamplingParams, SpeculativeDecoder
+
+    _set_threads(args.threads)
+    target = _load_target(args)
+    drafter = _load_drafter(args.drafter, target, args)
+    ids = _prompt_ids(target, args.prompt, args.chat)
+    if not ids:
+        raise UserError("the prompt is empty after tokenization")
+    try:
+        params = SamplingParams(args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        dec = SpeculativeDecoder(target, drafter, verify=args.verify, block_size=args.block_size)
+        req = dec.generate([ids], [params])[0]
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    text = target.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"prompt_token_ids": ids, "token_ids": req.output_ids, "text": text,
+                          "finish_reason": req.finish_reason, "drafter": args.drafter or None,
+                          "stats": req.stats.to_dict()}))
+    else:
+        print(text)
+        s = req.stats
+        print(f"\n[{s.generated_tokens} tokens, {s.to_dict()['tokens_per_s']} tok/s, tau {s.tau:.2f}, "
+              f"finish {req.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+# --- bench ------------------------------------------------------------------------------
+
+def cmd_bench(args) -> int:
+    from dflash.bench import run_bench
+    from dflash.prompts import from_jsonl, load_prompt_set
+
+    _set_threads(args.threads)
+    if args.json and Path(args.json).exists() and not args.overwrite:
+        raise UserError(f"{args.json} exists; pass --overwrite to replace it")
+    try:
+        if args.prompts:
+            if not Path(args.prompts).is_file():
+                raise UserError(f"prompts file not found: {args.prompts}")
+            convs, name = from_jsonl(args.prompts), Path(args.prompts).name
+        else:
+            convs, name = load_prompt_set(args.dataset), args.dataset
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(str(e)) from e
+    convs = convs[: args.limit] if args.limit else convs
+    if not convs:
+        raise UserError("no prompts to benchmark")
+    target = _load_target(args)
+    drafter = _load_drafter(args.drafter or "random", target, args)
+    prompts = [target.chat_ids(c) for c in convs]
+
+    def progress(i, n, row):
+        print(f"[bench {name}] {i}/{n} tau {row['tau']:.2f} exact {row['exact_match']}", file=sys.stderr, flush=True)
+
+    result = run_bench(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       seed=args.seed, prompt_lookup=args.prompt_lookup, progress=progress)
+    result = {"dataset": name, "target": target.target_id, "drafter": args.drafter or "random", **result}
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    summary = {k: result[k] for k in ("dataset", "tau", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
+                                      "exact_match_rate", "lossless")}
+    print(json.dumps(summary))
+    return 0
+
+
+# --- config-driven stages ---------------------------------------------------------------
+
+def _staged(module: str, config_cls: str, run_fn: str):
+    """A subcommand that loads `--config` + key=value overrides into the stage's dataclass."""
+
+    def run(args) -> int:
+        import importlib
+
+        from jobs.config import ConfigError, config_to_dict, load_config
+
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            raise UserError(f"stage {module} is not available: {e}") from e
+        try:
+            cfg = load_config(getattr(mod, config_cls), args.config, args.overrides)
+        except ConfigError as e:
+            raise UserError(str(e)) from e
+        if args.print_config:
+            print(json.dumps(config_to_dict(cfg), indent=2))
+            return 0
+        try:
+            summary = getattr(mod, run_fn)(cfg)
+        except (FileNotFoundError, FileExistsError, ValueError) as e:
+            raise UserError(str(e)) from e
+        if summary is not None:
+            print(json.dumps(summary, default=str))
+        return 0
+
+    return run
+
+
+def cmd_export(args) -> int:
+    try:
+        from pipelines.train import export_run
+    except ImportError as e:
+        raise UserError(f"training stage is not available: {e}") from e
+    try:
+        out = export_run(args.run_dir, args.out_dir)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        raise UserError(str(e)) from e
+    print(json.dumps({"exported": str(out)}))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    try:
+        from jobs.demo import run_demo
+    except ImportError:
+        run_demo = None
+    if run_demo is not None:
+        return run_demo(args)
+    # Until the end-to-end demo lands: generate and bench with the default target.
+    base = ["--target", "default", "--dtype", args.dtype]
+    rc = main(["generate", *base, "--drafter", "random", "--chat", "--prompt",
+               "Explain speculative decoding in two sentences.", "--max-new-tokens", "48"])
+    if rc:
+        return rc
+    return main(["bench", *base, "--drafter", "random", "--dataset", "mt-bench", "--limit", "3",
+                 "--max-new-tokens", "48", "--json", "demo_out/bench.json", "--overwrite"])
+
+
+# --- parser -----------------------------------------------------------------------------
+
+def _target_flags(p):
+    p.add_argument("--target", default="default", help="'default', a Hugging Face model dir or a .gguf file")
+    p.add_argument("--drafter", default=None, help="drafter directory, or 'random' (default for bench)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verify", default="rejection", choices=["rejection", "match"],
+                   help="lossless rule at temperature > 0")
+    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="decode one prompt (AR without --drafter)")
+    _target_flags(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="apply the target's chat template to one user message")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("bench", help="AR vs DFlash side by side")
+    _target_flags(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help='JSONL of {"prompt": str} or {"messages": [...]}')
+    src.add_argument("--dataset", help="mt-bench, humaneval, aime24, math500")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--prompt-lookup", action="store_true", help="also run transformers' prompt-lookup decoding")
+    p.add_argument("--json", default=None, help="write the full result here")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(fn=cmd_bench)
+
+    for name, module, cls, fn in [("distill", "pipelines.distill", "DistillConfig", "run_distill"),
+                                  ("train", "pipelines.train", "TrainConfig", "run_train"),
+                                  ("serve", "serve.config", "ServeConfig", "run_serve")]:
+        p = sub.add_parser(name, help=f"run the {name} stage from a YAML config")
+        p.add_argument("--config", default=None, help="YAML config (see jobs/configs/)")
+        p.add_argument("--print-config", action="store_true", help="validate and print the config, run nothing")
+        p.add_argument("overrides", nargs="*", help="key=value overrides")
+        p.set_defaults(fn=_staged(module, cls, fn))
+
+    p = sub.add_parser("export", help="consolidate a training run into a drafter directory")
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("demo", help="the end-to-end demo on the embedded default target")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.set_defaults(fn=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UserError as e:
+        print(f"dflash {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dflash {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
