@@ -153,8 +153,9 @@ def cmd_bench(args) -> int:
 
 # --- config-driven stages ---------------------------------------------------------------
 
-def _staged(module: str, config_cls: str, run_fn: str):
-    """A subcommand that loads `--config` + key=value overrides into the stage's dataclass."""
+def _staged(module: str, config_cls: str, run_fn: str, loader: str | None = None):
+    """A subcommand that loads `--config` + key=value overrides into the stage's dataclass
+    (through the stage's own `loader` where its YAML has another shape, e.g. Serve's)."""
 
     def run(args) -> int:
         import importlib
@@ -166,7 +167,10 @@ def _staged(module: str, config_cls: str, run_fn: str):
         except ImportError as e:
             raise UserError(f"stage {module} is not available: {e}") from e
         try:
-            cfg = load_config(getattr(mod, config_cls), args.config, args.overrides)
+            if loader:
+                cfg = getattr(mod, loader)(args.config, args.overrides)
+            else:
+                cfg = load_config(getattr(mod, config_cls), args.config, args.overrides)
         except ConfigError as e:
             raise UserError(str(e)) from e
         if args.print_config:
@@ -252,14 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=cmd_bench)
 
-    for name, module, cls, fn in [("distill", "pipelines.distill", "DistillConfig", "run_distill"),
-                                  ("train", "pipelines.train", "TrainConfig", "run_train"),
-                                  ("serve", "serve.config", "ServeConfig", "run_serve")]:
+    for name, module, cls, fn, loader in [
+        ("distill", "pipelines.distill", "DistillConfig", "run_distill", None),
+        ("train", "pipelines.train", "TrainConfig", "run_train", None),
+        ("serve", "serve.config", "ServeConfig", "run_serve", "load_serve_config"),
+    ]:
         p = sub.add_parser(name, help=f"run the {name} stage from a YAML config")
         p.add_argument("--config", default=None, help="YAML config (see jobs/configs/)")
         p.add_argument("--print-config", action="store_true", help="validate and print the config, run nothing")
         p.add_argument("overrides", nargs="*", help="key=value overrides")
-        p.set_defaults(fn=_staged(module, cls, fn))
+        p.set_defaults(fn=_staged(module, cls, fn, loader))
 
     p = sub.add_parser("export", help="consolidate a training run into a drafter directory")
     p.add_argument("run_dir")

@@ -1,0 +1,252 @@
+"""Continuous batching around SpeculativeDecoder: requests join and leave between steps.
+
+One asyncio task owns the decoder and the running batch. Each iteration:
+  1. admit   waiting requests, up to max_batch_size in flight: prefill them as one batch
+             (each emits its first token) and merge them into the running batch;
+  2. cancel  requests whose client left or whose stop string matched: finish_reason set,
+             then drop_finished removes their rows;
+  3. step    one speculative cycle for every row (ragged acceptance per row);
+  4. deliver newly emitted tokens to each request's asyncio queue, drop finished rows.
+Model work runs in a worker thread (asyncio.to_thread) so the event loop keeps accepting
+HTTP requests and streaming while a step computes. Only the loop task touches the batch;
+other coroutines only set flags (`cancel`) that the loop applies between steps.
+
+No Ray and no HTTP here: the engine is tested and benchmarked as plain asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from dflash.decoding import DecodeBatch, Request, SamplingParams, SpeculativeDecoder, merge
+
+log = logging.getLogger(__name__)
+
+
+class ContextTooLong(ValueError):
+    """Prompt + max_new_tokens does not fit the context budget."""
+
+
+@dataclass
+class StepReport:
+    """What one loop iteration did, for metrics."""
+
+    batch_size: int  # rows in the speculative step
+    waiting: int  # requests still queued after admission
+    admitted: int
+    draft_time_s: float
+    verify_time_s: float
+    acceptance_lengths: list[int]  # accepted + 1, one per row
+    tokens: int  # tokens emitted by this iteration (first tokens of admitted ones included)
+
+
+@dataclass
+class EngineCounters:
+    requests: int = 0
+    finished: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    max_batch_size_seen: int = 0
+
+
+@dataclass
+class Generation:
+    """One request's handle: the caller reads `tokens()` and finally `finish_reason`/`stats()`."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request: Request | None = None
+    cancel_reason: str | None = None
+    finish_reason: str | None = None
+    batch_sizes: list[int] = field(default_factory=list)  # rows of each step it took part in
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    async def tokens(self) -> AsyncIterator[list[int]]:
+        """Newly emitted token ids, as they come; raises if the engine failed this request."""
+        while True:
+            item = await self.events.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def stats(self) -> dict:
+        """The speculative statistics of this request (the API's `dflash` extension)."""
+        out = self.request.stats.to_dict() if self.request is not None else {}
+        out["max_batch_size"] = max(self.batch_sizes, default=0)
+        out["mean_batch_size"] = round(sum(self.batch_sizes) / len(self.batch_sizes), 3) if self.batch_sizes else 0.0
+        return out
+
+
+class BatchingEngine:
+    """Owns a SpeculativeDecoder; decodes every submitted request in shared batched steps."""
+
+    def __init__(self, decoder: SpeculativeDecoder, max_batch_size: int = 8,
+                 context_budget: int | None = None, on_step: Callable[[StepReport], None] | None = None):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.decoder = decoder
+        self.max_batch_size = max_batch_size
+        self.context_budget = min(context_budget or decoder.max_positions, decoder.max_positions)
+        self.on_step = on_step
+        self.counters = EngineCounters()
+        self._waiting: deque[Generation] = deque()
+        self._running: list[Generation] = []  # row order of self._batch.requests
+        self._batch: DecodeBatch | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    # --- the caller's side ----------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def room(self, prompt_len: int) -> int:
+        """Largest max_new_tokens a prompt of this length may ask for (< 1: prompt too long)."""
+        return self.context_budget - prompt_len - self.decoder.block_size
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Queue a request; the loop admits it at its next iteration."""
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if params.max_new_tokens > self.room(len(prompt_ids)):
+            raise ContextTooLong(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_new_tokens} exceeds the context "
+                f"budget of {self.context_budget} tokens")
+        gen = Generation(list(prompt_ids), params)
+        self._waiting.append(gen)
+        self.counters.requests += 1
+        self._ensure_loop()
+        self._wakeup.set()
+        return gen
+
+    def cancel(self, gen: Generation, reason: str = "abort") -> None:
+        """Stop a request (client gone: "abort"; stop string matched: "stop") at the next step."""
+        if not gen.done and gen.cancel_reason is None:
+            gen.cancel_reason = reason
+            if self._wakeup is not None:
+                self._wakeup.set()
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    # --- the loop -------------------------------------------------------------------------
+    def _finish(self, gen: Generation, reason: str | None, error: BaseException | None = None) -> None:
+        gen.finish_reason = reason or "abort"
+        self.counters.finished += 1
+        if error is not None:
+            gen.events.put_nowait(error)
+        gen.events.put_nowait(None)
+
+    def _admit_now(self) -> list[Generation]:
+        admitted = []
+        while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
+            gen = self._waiting.popleft()
+            if gen.cancel_reason is not None:  # left before it started
+                self._finish(gen, gen.cancel_reason)
+            else:
+                admitted.append(gen)
+        return admitted
+
+    def _prefill_and_merge(self, admitted: list[Generation]) -> DecodeBatch:
+        new = self.decoder.prefill([g.prompt_ids for g in admitted], [g.params for g in admitted])
+        return new if self._batch is None else merge(self._batch, new)
+
+    def _drop_finished(self) -> None:
+        """Apply cancellations, remove finished rows, close their generations."""
+        for gen in self._running:
+            if gen.cancel_reason is not None and not gen.request.finished:
+                gen.request.finish_reason = gen.cancel_reason
+        if self._batch is None:
+            return
+        self._batch, _ = self.decoder.drop_finished(self._batch)
+        still = []
+        for gen in self._running:
+            if gen.request.finished:
+                self._finish(gen, gen.request.finish_reason)
+            else:
+                still.append(gen)
+        self._running = still
+
+    def _fail_running(self, error: BaseException) -> None:
+        for gen in self._running:
+            self._finish(gen, "abort", error)
+        self._running, self._batch = [], None
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._running and not self._waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            tokens = 0
+            admitted = self._admit_now()
+            if admitted:
+                try:
+                    self._batch = await asyncio.to_thread(self._prefill_and_merge, admitted)
+                except Exception as e:  # a bad batch must not wedge the replica
+                    log.exception("prefill failed")
+                    for gen in admitted:
+                        self._finish(gen, "abort", RuntimeError(f"prefill failed: {e}"))
+                    continue
+                for gen, req in zip(admitted, self._batch.requests[len(self._running):]):
+                    gen.request = req
+                    gen.events.put_nowait(list(req.output_ids))
+                    tokens += len(req.output_ids)
+                self._running += admitted
+            self._drop_finished()
+            if not self._running:
+                self._report(0, len(admitted), 0.0, 0.0, [], tokens)
+                continue
+            first = self._batch.requests[0].stats
+            draft0, verify0 = first.draft_time_s, first.verify_time_s
+            try:
+                emitted = await asyncio.to_thread(self.decoder.step, self._batch)
+            except Exception as e:
+                log.exception("decoding step failed")
+                self._fail_running(RuntimeError(f"decoding step failed: {e}"))
+                continue
+            rows = len(self._running)
+            acceptance = []
+            for gen, toks in zip(self._running, emitted):
+                gen.batch_sizes.append(rows)
+                acceptance.append(gen.request.stats.acceptance_lengths[-1])
+                if toks:
+                    gen.events.put_nowait(toks)
+                    tokens += len(toks)
+            self.counters.steps += 1
+            self.counters.max_batch_size_seen = max(self.counters.max_batch_size_seen, rows)
+            self._report(rows, len(admitted), first.draft_time_s - draft0, first.verify_time_s - verify0,
+                         acceptance, tokens)
+            self._drop_finished()
+
+    def _report(self, rows, admitted, draft_s, verify_s, acceptance, tokens) -> None:
+        self.counters.generated_tokens += tokens
+        if self.on_step is not None:
+            try:
+                self.on_step(StepReport(rows, len(self._waiting), admitted, draft_s, verify_s, acceptance, tokens))
+            except Exception:  # metrics must never stop decoding
+                log.exception("on_step callback failed")
