@@ -1,0 +1,133 @@
+"""Lossless greedy decoding on the real default target (SmolLM2-135M-Instruct).
+
+fp32: token-for-token equal to transformers' own greedy generate, batched and one at a
+time, with a random drafter and with a briefly trained one. bf16: a multi-token verify
+rounds differently from one-token steps, so there every emitted token must be the
+target's argmax given the emitted prefix, up to BF16_MARGIN logits (re-scored with one
+teacher-forced pass).
+"""
+
+import pytest
+import torch
+
+from dflash.config import DrafterConfig
+from dflash.decoding import SamplingParams, SpeculativeDecoder, compact, merge
+from dflash.drafter import DFlashDrafter
+from dflash.masks import causal_attention_mask
+from dflash.target import choose_mask_token_id
+from support import CHAT_PROMPTS, chat_prompt_ids, hf_greedy
+
+MAX_NEW = 32
+BF16_MARGIN = 0.5  # logits; bf16 rounding of a 16-token verify vs 1-token steps stays well inside
+
+
+@pytest.fixture(scope="module")
+def prompts(target_fp32):
+    return chat_prompt_ids(target_fp32, CHAT_PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def reference(target_fp32, prompts):
+    return [hf_greedy(target_fp32, p, MAX_NEW) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def random_drafter(target_fp32):
+    torch.manual_seed(123)
+    cfg = DrafterConfig.for_target(target_fp32.config, choose_mask_token_id(target_fp32), num_taps=3,
+                                   block_size=16, target_id=target_fp32.target_id)
+    return DFlashDrafter(cfg).eval()
+
+
+def test_prompts_are_varied(prompts):
+    assert len(prompts) >= 8 and len({len(p) for p in prompts}) >= 4  # ragged left padding
+
+
+def test_autoregressive_baseline_equals_hf_greedy(target_fp32, prompts, reference):
+    out = SpeculativeDecoder(target_fp32).generate(prompts, SamplingParams(MAX_NEW), batch_size=4)
+    assert [r.output_ids for r in out] == reference
+
+
+@pytest.mark.parametrize("which", ["random", "trained"])
+@pytest.mark.parametrize("batch_size", [4, 1])
+def test_dflash_greedy_is_lossless_fp32(target_fp32, prompts, reference, random_drafter, trained, which, batch_size):
+    drafter = random_drafter if which == "random" else trained[0]
+    out = SpeculativeDecoder(target_fp32, drafter).generate(prompts, SamplingParams(MAX_NEW), batch_size=batch_size)
+    assert [r.output_ids for r in out] == reference
+    taus = [r.stats.tau for r in out]
+    assert all(1.0 <= t <= drafter.config.block_size for t in taus)
+    if which == "trained":  # trained on the first four prompts' answers: accepts far more there
+        assert sum(taus[:4]) / 4 > 2.0
+
+
+def test_requests_joining_and_compaction_stay_lossless(target_fp32, prompts, reference, trained):
+    """Requests join a running batch between steps; holes are squeezed out every step."""
+    dec = SpeculativeDecoder(target_fp32, trained[0])
+    batch = dec.prefill(prompts[:3], SamplingParams(MAX_NEW))
+    done = []
+    for _ in range(2):
+        dec.step(batch)
+    batch = merge(batch, dec.prefill(prompts[3:6], SamplingParams(MAX_NEW)))
+    while batch is not None:
+        dec.step(batch)
+        batch = compact(batch)
+        batch, finished = dec.drop_finished(batch)
+        done += finished
+    got = {tuple(r.prompt_ids): r.output_ids for r in done}
+    assert [got[tuple(p)] for p in prompts[:6]] == reference[:6]
+
+
+def test_stop_tokens_and_max_new_tokens(target_fp32, prompts, reference, random_drafter):
+    dec = SpeculativeDecoder(target_fp32, random_drafter)
+    ref = reference[1]
+    stop = ref[5]
+    out = dec.generate([prompts[1]], SamplingParams(MAX_NEW, stop_token_ids=(stop,)))[0]
+    assert out.output_ids == ref[: ref.index(stop) + 1] and out.finish_reason == "stop"
+    out = dec.generate([prompts[1]], SamplingParams(7))[0]
+    assert out.output_ids == ref[:7] and out.finish_reason == "length"
+
+
+def _rescore_margins(target, prompt, output):
+    """For each emitted token: max logit - logit of the token, teacher-forced in one pass."""
+    ids = torch.tensor([prompt + output])
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    logits = target.forward(ids, torch.arange(ids.shape[1])[None], causal_attention_mask(valid)).logits[0]
+    rows = logits[len(prompt) - 1: len(prompt) - 1 + len(output)]
+    chosen = rows.gather(1, torch.tensor(output)[:, None]).squeeze(1)
+    return rows.max(1).values - chosen
+
+
+@pytest.mark.parametrize("which", ["random", "trained"])
+def test_dflash_greedy_bf16_emits_target_argmax(target_bf16, prompts, random_drafter, trained, which):
+    drafter = (random_drafter if which == "random" else trained[0])
+    drafter = DFlashDrafter(drafter.config)
+    drafter.load_state_dict((random_drafter if which == "random" else trained[0]).state_dict())
+    drafter = drafter.to(torch.bfloat16).eval()
+    out = SpeculativeDecoder(target_bf16, drafter).generate(prompts, SamplingParams(MAX_NEW), batch_size=4)
+    worst = 0.0
+    for p, r in zip(prompts, out):
+        margins = _rescore_margins(target_bf16, p, r.output_ids)
+        worst = max(worst, float(margins.max()))
+    assert worst <= BF16_MARGIN, f"an emitted token was {worst:.3f} logits below the target's argmax"
+
+
+def test_rescoring_catches_a_wrong_token(target_bf16, prompts):
+    """The bf16 check has teeth: a substituted token is far below the argmax."""
+    out = SpeculativeDecoder(target_bf16).generate(prompts[:1], SamplingParams(16))[0].output_ids
+    bad = list(out)
+    bad[3] = (bad[3] + 1000) % target_bf16.vocab_size
+    assert float(_rescore_margins(target_bf16, prompts[0], bad).max()) > 5 * BF16_MARGIN
+
+
+def test_prompt_over_context_is_refused(target_fp32):
+    dec = SpeculativeDecoder(target_fp32)
+    with pytest.raises(ValueError, match="context"):
+        dec.prefill([[1] * 10], SamplingParams(max_new_tokens=target_fp32.config.max_position_embeddings))
+    with pytest.raises(ValueError, match="empty prompt"):
+        dec.prefill([[]], SamplingParams(4))
+
+
+def test_drafter_for_another_target_is_refused(target_fp32, random_drafter):
+    other = random_drafter.config.replace(hidden_size=64, num_target_layers=12, target_layer_ids=(1, 5, 9))
+    with pytest.raises(ValueError, match="hidden size 64"):
+        SpeculativeDecoder(target_fp32, DFlashDrafter(other))
