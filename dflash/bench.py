@@ -52,6 +52,7 @@ def run_bench(
     prompts: list[list[int]],
     max_new_tokens: int = 128,
     temperature: float = 0.0,
+    top_p: float = 1.0,
     seed: int = 0,
     prompt_lookup: bool = False,
     margin: float = BF16_MARGIN,
@@ -61,7 +62,7 @@ def run_bench(
     ar = SpeculativeDecoder(target)
     spec = SpeculativeDecoder(target, drafter)
     B = spec.block_size
-    params = [SamplingParams(max_new_tokens, temperature=temperature, seed=seed + i) for i in range(len(prompts))]
+    params = [SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i) for i in range(len(prompts))]
     # warm-up (allocator, kernels): not timed
     ar.generate([prompts[0]], SamplingParams(4))
     spec.generate([prompts[0]], SamplingParams(4))

@@ -74,7 +74,32 @@ def from_jsonl(path: str | Path) -> list[Conversation]:
     return out
 
 
-DATASETS = {"mt-bench": mt_bench, "humaneval": humaneval, "aime24": aime24, "math500": math500}
+def sharegpt_heldout(limit: int = 200, heldout_fraction: float = 0.02) -> list[Conversation]:
+    """The ShareGPT held-out split (same stable-id rule as distillation, so never trained on):
+    the first user turn of each conversation, up to `limit`."""
+    from dflash.data import Reject, normalize_conversation, sample_id, split_of
+    from dflash.sources import Unparsable, iter_records
+
+    out: list[Conversation] = []
+    for record in iter_records("sharegpt"):
+        if isinstance(record, Unparsable):
+            continue
+        try:
+            messages = normalize_conversation(record)
+        except Reject:
+            continue
+        if split_of(sample_id(messages), heldout_fraction) != "heldout":
+            continue
+        first_user = next((m for m in messages if m["role"] == "user"), None)
+        if first_user and first_user["content"].strip():
+            out.append([{"role": "user", "content": first_user["content"]}])
+        if len(out) >= limit:
+            break
+    return out
+
+
+DATASETS = {"mt-bench": mt_bench, "humaneval": humaneval, "aime24": aime24, "math500": math500,
+            "sharegpt-heldout": sharegpt_heldout}
 
 
 def load_prompt_set(name: str) -> list[Conversation]:

@@ -113,41 +113,65 @@ def cmd_generate(args) -> int:
 # --- bench ------------------------------------------------------------------------------
 
 def cmd_bench(args) -> int:
+    """AR vs DFlash (and prompt lookup) per dataset and temperature; JSON, markdown, PNG."""
     from dflash.bench import run_bench
-    from dflash.prompts import from_jsonl, load_prompt_set
+    from dflash.prompts import DATASETS, from_jsonl, load_prompt_set
+    from jobs.report import markdown_table, plot_acceptance, plot_speedup
 
     _set_threads(args.threads)
-    if args.json and Path(args.json).exists() and not args.overwrite:
-        raise UserError(f"{args.json} exists; pass --overwrite to replace it")
+    outputs = [p for p in (args.json, args.out) if p]
+    for p in outputs:
+        if Path(p).exists() and not args.overwrite and (Path(p).is_file() or any(Path(p).iterdir())):
+            raise UserError(f"{p} exists and is not empty; pass --overwrite to replace it")
+    try:
+        temps = [float(t) for t in str(args.temperatures).split(",")] if args.temperatures else [args.temperature]
+    except ValueError:
+        raise UserError(f"--temperatures must be comma-separated numbers, got {args.temperatures!r}") from None
+    sets: list[tuple[str, list]] = []
     try:
         if args.prompts:
             if not Path(args.prompts).is_file():
                 raise UserError(f"prompts file not found: {args.prompts}")
-            convs, name = from_jsonl(args.prompts), Path(args.prompts).name
+            sets.append((Path(args.prompts).name, from_jsonl(args.prompts)))
         else:
-            convs, name = load_prompt_set(args.dataset), args.dataset
+            names = list(DATASETS) if args.dataset == "all" else args.dataset.split(",")
+            for name in names:
+                sets.append((name, load_prompt_set(name.strip())))
     except (ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from e
-    convs = convs[: args.limit] if args.limit else convs
-    if not convs:
-        raise UserError("no prompts to benchmark")
     target = _load_target(args)
     drafter = _load_drafter(args.drafter or "random", target, args)
-    prompts = [target.chat_ids(c) for c in convs]
+    results = []
+    for name, convs in sets:
+        convs = convs[: args.limit] if args.limit else convs
+        if not convs:
+            raise UserError(f"{name}: no prompts to benchmark")
+        prompts = [target.chat_ids(c) for c in convs]
+        for temp in temps:
+            def progress(i, n, row, name=name, temp=temp):
+                print(f"[bench {name} T={temp:g}] {i}/{n} tau {row['tau']:.2f} exact {row['exact_match']}",
+                      file=sys.stderr, flush=True)
 
-    def progress(i, n, row):
-        print(f"[bench {name}] {i}/{n} tau {row['tau']:.2f} exact {row['exact_match']}", file=sys.stderr, flush=True)
-
-    result = run_bench(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       seed=args.seed, prompt_lookup=args.prompt_lookup, progress=progress)
-    result = {"dataset": name, "target": target.target_id, "drafter": args.drafter or "random", **result}
-    text = json.dumps(result, indent=2)
+            r = run_bench(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=temp,
+                          top_p=args.top_p, seed=args.seed, prompt_lookup=args.prompt_lookup, progress=progress)
+            results.append({"dataset": name, "target": target.target_id, "drafter": args.drafter or "random", **r})
+    table = markdown_table(results)
+    doc = results[0] if len(results) == 1 else {"runs": results}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
-    summary = {k: result[k] for k in ("dataset", "tau", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
-                                      "exact_match_rate", "lossless")}
-    print(json.dumps(summary))
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps({"runs": results}, indent=2) + "\n")
+        (out / "bench.md").write_text(table)
+        plot_acceptance(results, out / "acceptance_histogram.png")
+        plot_speedup(results, out / "speedup.png")
+    print(table, file=sys.stderr)
+    keys = ("dataset", "temperature", "tau", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
+            "exact_match_rate", "lossless")
+    print(json.dumps([{k: r[k] for k in keys} for r in results] if len(results) > 1
+                     else {k: results[0][k] for k in keys}))
     return 0
 
 
@@ -249,10 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
     _target_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", help='JSONL of {"prompt": str} or {"messages": [...]}')
-    src.add_argument("--dataset", help="mt-bench, humaneval, aime24, math500")
+    src.add_argument("--dataset", help="mt-bench, humaneval, aime24, math500, sharegpt-heldout; "
+                     "comma-separated, or 'all'")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--prompt-lookup", action="store_true", help="also run transformers' prompt-lookup decoding")
+    p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default: --temperature)")
     p.add_argument("--json", default=None, help="write the full result here")
+    p.add_argument("--out", default=None, help="directory for bench.json, bench.md and PNG plots")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=cmd_bench)
 

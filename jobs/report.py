@@ -1,0 +1,101 @@
+"""Benchmark reports: a markdown table and PNG plots from `dflash bench` results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def markdown_table(results: list[dict]) -> str:
+    """One row per (dataset, temperature)."""
+    head = ("| dataset | T | prompts | tau | AR tok/s | DFlash tok/s | speedup | prompt-lookup speedup "
+            "| exact match | lossless |")
+    lines = [head, "|" + "---|" * 10]
+    for r in results:
+        pl = r.get("prompt_lookup_speedup")
+        lossless = {True: "yes", False: "NO", None: "n/a (T>0)"}[r["lossless"]]
+        lines.append(
+            f"| {r['dataset']} | {r['temperature']:g} | {r['num_prompts']} | {r['tau']:.2f} | "
+            f"{r['ar_tokens_per_s']:.1f} | {r['dflash_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+            f"{'-' if pl is None else f'{pl:.2f}x'} | {r['exact_match_rate']:.2f} | {lossless} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(results: list[dict], path: str | Path) -> Path:
+    """Acceptance-length histogram (fraction of cycles emitting k tokens), one series per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    n = max(1, len(results))
+    width = 0.8 / n
+    for i, r in enumerate(results):
+        hist = r["acceptance_histogram"]
+        total = max(1, sum(hist))
+        xs = [k + 1 + (i - (n - 1) / 2) * width for k in range(len(hist))]
+        ax.bar(xs, [c / total for c in hist], width=width, label=f"{r['dataset']} T={r['temperature']:g} "
+               f"(tau {r['tau']:.2f})")
+    ax.set_xlabel("tokens emitted per verify cycle (accepted + 1)")
+    ax.set_ylabel("fraction of cycles")
+    ax.set_title("DFlash acceptance lengths")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_speedup(results: list[dict], path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['dataset']}\nT={r['temperature']:g}" for r in results]
+    ax.bar(range(len(results)), [r["speedup"] for r in results], color="tab:blue", label="DFlash")
+    pl = [r.get("prompt_lookup_speedup") for r in results]
+    if any(v is not None for v in pl):
+        ax.scatter(range(len(results)), [v if v is not None else float("nan") for v in pl], color="tab:orange",
+                   zorder=3, label="prompt lookup")
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_xticks(range(len(results)), labels, fontsize=7)
+    ax.set_ylabel("speedup over autoregressive")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_training(metrics: list[dict], path: str | Path) -> Path:
+    """Training loss and per-block-position accuracy from metrics.jsonl rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [m for m in metrics if "loss" in m]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = [m.get("step", i) for i, m in enumerate(rows)]
+    a1.plot(steps, [m["loss"] for m in rows])
+    a1.set_xlabel("step")
+    a1.set_ylabel("loss")
+    a1.set_yscale("log")
+    a1.set_title("training loss")
+    accs = [m.get("acc") or m.get("accuracy") or m.get("per_position_acc") for m in rows]
+    accs = [a for a in accs if a]
+    if accs:
+        last = accs[-1]
+        a2.bar(range(1, len(last) + 1), last)
+        if len(accs) > 1:
+            a2.plot(range(1, len(accs[0]) + 1), accs[0], "o--", color="gray", label="first step")
+            a2.legend()
+    a2.set_xlabel("block position k")
+    a2.set_ylabel("accuracy (last step)")
+    a2.set_title("per-position accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

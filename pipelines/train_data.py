@@ -1,0 +1,136 @@
+"""Training data: check a distilled dataset against the model, stream it, bucket it.
+
+The driver calls `inspect_training_data` before anything starts, so data made for another
+target, other tapped layers, another hidden size or format version (dflash.data's
+contract) is refused with a message naming the mismatch, and an empty dataset is an error
+instead of a worker group waiting forever for its first batch.
+
+Workers call `micro_batches` on their Ray Data shard. Length bucketing: rows arrive in
+buffers of `micro_batch_size * bucket_batches`; each buffer is sorted by length and cut
+into micro-batches, whose order is then shuffled with a seeded generator. Sequences of
+similar length share a micro-batch, so padding stays small (the `pad_fraction` metric
+shows how small) without any global sort.
+
+Worked example, micro_batch_size 2, bucket_batches 2, lengths arriving [90, 12, 85, 15]:
+sorted [12, 15, 85, 90] -> micro-batches [12, 15] and [85, 90] (pad 3 + 5 of 202 slots)
+instead of [90, 12] and [85, 15] (pad 78 + 70 of 350).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from dflash.data import DataMismatchError, DatasetMetadata, FEATURE_DTYPE, check_dataset, hidden_arrays, shard_files
+
+TOKEN_COLUMNS = ["input_ids", "loss_mask", "num_tokens"]
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    files: tuple[str, ...]
+    num_rows: int
+    metadata: DatasetMetadata
+
+
+def inspect_training_data(directory: str, *, offline: bool, target_id: str, weights_hash: str,
+                          num_target_layers: int, hidden_size: int,
+                          target_layer_ids: tuple[int, ...] | None) -> DataInfo:
+    """Refuse a dataset that does not fit the target/drafter; count its rows (file footers only).
+
+    Offline training needs the stored features of exactly the drafter's tapped layers;
+    online training needs only tokens from the same target (same tokenizer and chat template).
+    """
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"data directory not found: {directory}")
+    meta = check_dataset(directory, target_id=target_id, weights_hash=weights_hash, hidden_size=hidden_size,
+                         target_layer_ids=target_layer_ids if offline else None, require_hidden=offline)
+    if meta.num_target_layers != num_target_layers:
+        raise DataMismatchError(f"dataset {directory} does not fit: num_target_layers: data has "
+                                f"{meta.num_target_layers}, expected {num_target_layers}")
+    files = shard_files(directory)
+    rows = sum(pq.read_metadata(f).num_rows for f in files)
+    if rows == 0:
+        raise ValueError(f"dataset {directory} is empty: {len(files)} shard(s), 0 rows")
+    return DataInfo(tuple(str(f) for f in files), rows, meta)
+
+
+def read_dataset(info: DataInfo, offline: bool):
+    """A Ray Dataset over the shards; online mode never reads the (large) hidden column."""
+    import ray
+
+    columns = TOKEN_COLUMNS + (["hidden"] if offline else [])
+    return ray.data.read_parquet(list(info.files)).select_columns(columns)
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded tensors of one micro-batch (b rows, T = longest row)."""
+
+    input_ids: torch.Tensor  # (b, T) long
+    loss_mask: torch.Tensor  # (b, T) bool
+    valid: torch.Tensor  # (b, T) bool, False on padding
+    taps: torch.Tensor | None  # (b, T, n_taps*D) float16 features, offline only
+
+    @property
+    def tokens(self) -> int:
+        return int(self.valid.sum())
+
+    @property
+    def pad_fraction(self) -> float:
+        return 1.0 - self.tokens / self.valid.numel()
+
+
+def collate(ids: list[np.ndarray], masks: list[np.ndarray], hidden: list[np.ndarray] | None) -> MicroBatch:
+    t = max(len(x) for x in ids)
+    b = len(ids)
+    input_ids = torch.zeros(b, t, dtype=torch.long)
+    loss_mask = torch.zeros(b, t, dtype=torch.bool)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    taps = None
+    if hidden is not None:
+        taps = torch.zeros(b, t, hidden[0].shape[1], dtype=torch.float16)
+    for i in range(b):
+        n = len(ids[i])
+        input_ids[i, :n] = torch.from_numpy(ids[i].astype(np.int64))
+        loss_mask[i, :n] = torch.from_numpy(masks[i].astype(bool))
+        valid[i, :n] = True
+        if taps is not None:
+            taps[i, :n] = torch.from_numpy(np.ascontiguousarray(hidden[i]))
+    return MicroBatch(input_ids, loss_mask, valid, taps)
+
+
+def _rows(table: pa.Table, max_seq_len: int, offline: bool):
+    ids = [np.asarray(x, dtype=np.int32)[:max_seq_len] for x in table.column("input_ids").to_numpy(zero_copy_only=False)]
+    masks = [np.asarray(x, dtype=np.uint8)[:max_seq_len] for x in table.column("loss_mask").to_numpy(zero_copy_only=False)]
+    hidden = [h[:max_seq_len] for h in hidden_arrays(table)] if offline else None
+    return ids, masks, hidden
+
+
+def micro_batches(shard, *, micro_batch_size: int, bucket_batches: int, max_seq_len: int, offline: bool, seed: int):
+    """Yield MicroBatch objects from a Ray DataIterator, bucketed by length (see module doc).
+
+    Deterministic for a given shard order and seed: the same data and seed give the same
+    micro-batches in both modes.
+    """
+    rng = random.Random(seed)
+    buffer_rows = micro_batch_size * bucket_batches
+    for table in shard.iter_batches(batch_size=buffer_rows, batch_format="pyarrow", prefetch_batches=1):
+        ids, masks, hidden = _rows(table, max_seq_len, offline)
+        order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
+        groups = [order[i: i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+        rng.shuffle(groups)
+        for g in groups:
+            yield collate([ids[i] for i in g], [masks[i] for i in g], [hidden[i] for i in g] if offline else None)
+
+
+def round_to_storage(taps: torch.Tensor) -> torch.Tensor:
+    """Online features rounded as offline ones are stored (FEATURE_DTYPE), so the two
+    modes train on the same numbers."""
+    return taps.to(getattr(torch, FEATURE_DTYPE))
