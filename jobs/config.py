@@ -113,6 +113,20 @@ def build_config(cls: type[T], values: dict[str, Any], source: str = "config") -
         raise ConfigError(f"{source}: {e}") from e
 
 
+def read_yaml_mapping(path: str | Path) -> dict:
+    """A YAML file whose top level is a mapping; ConfigError naming the file otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return loaded
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] = ()) -> T:
     """Read YAML at `path` (optional), apply key=value `overrides`, validate into `cls`.
 
@@ -123,14 +137,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     source = "overrides"
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
+        loaded = read_yaml_mapping(path)
         stage = loaded.pop("stage", None)
         expected = getattr(cls, "STAGE", None)
         if stage is not None and expected is not None and stage != expected:

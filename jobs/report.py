@@ -5,6 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display on servers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def markdown_table(results: list[dict]) -> str:
     """One row per (dataset, temperature)."""
     head = ("| dataset | T | prompts | tau | AR tok/s | DFlash tok/s | speedup | prompt-lookup speedup "
@@ -22,11 +32,7 @@ def markdown_table(results: list[dict]) -> str:
 
 def plot_acceptance(results: list[dict], path: str | Path) -> Path:
     """Acceptance-length histogram (fraction of cycles emitting k tokens), one series per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     n = max(1, len(results))
     width = 0.8 / n
@@ -47,11 +53,7 @@ def plot_acceptance(results: list[dict], path: str | Path) -> Path:
 
 
 def plot_speedup(results: list[dict], path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{r['dataset']}\nT={r['temperature']:g}" for r in results]
     ax.bar(range(len(results)), [r["speedup"] for r in results], color="tab:blue", label="DFlash")
@@ -71,11 +73,7 @@ def plot_speedup(results: list[dict], path: str | Path) -> Path:
 
 def plot_training(metrics: list[dict], path: str | Path) -> Path:
     """Training loss and per-block-position accuracy from metrics.jsonl rows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     rows = [m for m in metrics if "loss" in m]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [m.get("step", i) for i, m in enumerate(rows)]

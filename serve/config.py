@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
-import yaml
 
-from jobs.config import ConfigError, build_config, load_config, parse_override
+from jobs.config import ConfigError, build_config, load_config, parse_override, read_yaml_mapping
 
 # Keys of a Ray Serve config file that are not ServeConfig fields; Ray reads them, we skip them.
 _RAY_ONLY_KEYS = ("proxy_location", "grpc_options", "logging_config", "tracing_config",
@@ -122,14 +121,7 @@ def load_serve_config(path: str | Path | None = None, overrides: list[str] | tup
     if path is None:
         return load_config(ServeConfig, None, list(overrides))
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
+    raw = read_yaml_mapping(path)
     values = flatten_serve_file(raw, str(path))
     stage = values.pop("stage", None)
     if stage is not None and stage != ServeConfig.STAGE:
