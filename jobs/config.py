@@ -24,7 +24,9 @@ class ConfigError(ValueError):
 
 
 def parse_override(item: str) -> tuple[str, Any]:
-    """'key=value' -> (key, YAML-parsed value): 'lr=3e-4' -> 0.0003, 'ids=[1,2]' -> [1, 2]."""
+    """'key=value' -> (key, YAML-parsed value): 'lr=0.001' -> 0.001, 'ids=[1,2]' -> [1, 2].
+
+    YAML 1.1 reads '3e-4' (no dot) as a string; float fields accept it (see `_coerce`)."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key=value")
     key, raw = item.split("=", 1)
@@ -81,6 +83,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
