@@ -1,7 +1,8 @@
 """Benchmark: autoregressive vs DFlash decoding of the same target, side by side.
 
 Both run in the same process, on the same prompts, one prompt at a time (latency, the
-regime speculative decoding is for), after a warm-up. Reported per run: tau, acceptance
+regime speculative decoding is for), after a warm-up; transformers' prompt-lookup decoding
+(n-gram drafts copied from the prompt) can run beside them as a peer baseline. Reported per run: tau, acceptance
 histogram, tokens/s of each, speedup, the exact-match rate against AR, and `lossless`:
   fp32 greedy  every DFlash output equals the AR output token for token;
   bf16 greedy  every emitted token is the target's argmax given the emitted prefix, up to
@@ -37,13 +38,28 @@ def emitted_token_margins(target: Target, prompt: list[int], output: list[int]) 
     return (rows.max(1).values - chosen).cpu()
 
 
-def _prompt_lookup(target: Target, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float]:
-    """transformers' prompt-lookup decoding (n-gram drafts from the prompt): a peer baseline."""
+def _prompt_lookup(target: Target, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+                   top_p: float = 1.0, seed: int = 0) -> tuple[list[int], float]:
+    """transformers' prompt-lookup decoding (n-gram drafts from the prompt): a peer baseline.
+    At T > 0 transformers samples from the target and keeps the drafts that match."""
+    sampling = {"do_sample": False} if temperature == 0 else {
+        "do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+    torch.manual_seed(seed)
     t0 = time.perf_counter()
     out = target.model.generate(torch.tensor([prompt], device=target.device), max_new_tokens=max_new_tokens,
-                                do_sample=False, prompt_lookup_num_tokens=10, eos_token_id=target.stop_token_ids,
-                                pad_token_id=target.stop_token_ids[0] if target.stop_token_ids else 0)
+                                prompt_lookup_num_tokens=10, eos_token_id=target.stop_token_ids,
+                                pad_token_id=target.stop_token_ids[0] if target.stop_token_ids else 0, **sampling)
     return out[0, len(prompt):].tolist(), time.perf_counter() - t0
+
+
+def fp32_exact_check(target: Target, drafter, prompts: list[list[int]], max_new_tokens: int) -> bool:
+    """Greedy DFlash output == greedy AR output, token for token (meaningful in fp32 only)."""
+    if target.dtype != torch.float32:
+        raise ValueError("the token-for-token check needs an fp32 target (bf16 verify rounds differently)")
+    params = SamplingParams(max_new_tokens)
+    ar = SpeculativeDecoder(target).generate(prompts, params, batch_size=1)
+    spec = SpeculativeDecoder(target, drafter).generate(prompts, params, batch_size=1)
+    return all(a.output_ids == d.output_ids for a, d in zip(ar, spec))
 
 
 def run_bench(
@@ -57,15 +73,19 @@ def run_bench(
     prompt_lookup: bool = False,
     margin: float = BF16_MARGIN,
     progress=None,
+    block_size: int | None = None,
 ) -> dict:
-    """AR vs DFlash on `prompts` (token ids). Returns a JSON-ready summary dict."""
+    """AR vs DFlash on `prompts` (token ids). Returns a JSON-ready summary dict.
+    block_size overrides the drafter's (drafting fewer tokens than it was trained for)."""
     ar = SpeculativeDecoder(target)
-    spec = SpeculativeDecoder(target, drafter)
+    spec = SpeculativeDecoder(target, drafter, block_size=block_size)
     B = spec.block_size
     params = [SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i) for i in range(len(prompts))]
     # warm-up (allocator, kernels): not timed
     ar.generate([prompts[0]], SamplingParams(4))
     spec.generate([prompts[0]], SamplingParams(4))
+    if prompt_lookup:
+        _prompt_lookup(target, prompts[0], 4)
 
     ar_tokens = spec_tokens = pl_tokens = 0
     ar_time = spec_time = pl_time = draft_time = verify_time = 0.0
@@ -93,8 +113,8 @@ def run_bench(
             worst_margin = max(worst_margin, float(emitted_token_margins(target, p, d.output_ids).max()))
         row = {"prompt_tokens": len(p), "ar_tokens": len(a.output_ids), "dflash_tokens": len(d.output_ids),
                "tau": round(d.stats.tau, 3), "exact_match": same}
-        if prompt_lookup and temperature == 0:
-            out, dt = _prompt_lookup(target, p, max_new_tokens)
+        if prompt_lookup:
+            out, dt = _prompt_lookup(target, p, max_new_tokens, temperature, top_p, sp.seed)
             pl_tokens += len(out)
             pl_time += dt
             pl_exact += out == a.output_ids
@@ -131,8 +151,8 @@ def run_bench(
         "verify_time_per_cycle_ms": round(1000 * verify_time / max(1, len(accept_lengths)), 3),
         "per_prompt": per_prompt,
     }
-    if prompt_lookup and temperature == 0:
+    if prompt_lookup:
         result["prompt_lookup_tokens_per_s"] = round(pl_tokens / pl_time, 3) if pl_time else 0.0
         result["prompt_lookup_speedup"] = round((pl_tokens / pl_time) / ar_tps, 4) if pl_time and ar_tps else 0.0
-        result["prompt_lookup_exact_match_rate"] = round(pl_exact / len(prompts), 4)
+        result["prompt_lookup_exact_match_rate"] = round(pl_exact / len(prompts), 4) if temperature == 0 else None
     return result

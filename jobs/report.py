@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -28,6 +29,19 @@ def markdown_table(results: list[dict]) -> str:
             f"{r['ar_tokens_per_s']:.1f} | {r['dflash_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
             f"{'-' if pl is None else f'{pl:.2f}x'} | {r['exact_match_rate']:.2f} | {lossless} |")
     return "\n".join(lines) + "\n"
+
+
+def write_bench_report(results: list[dict], out_dir: str | Path) -> dict[str, str]:
+    """bench.json, bench.md and the two PNG plots in `out_dir`; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"json": out / "bench.json", "table": out / "bench.md", "acceptance_plot": out / "acceptance_histogram.png",
+             "speedup_plot": out / "speedup.png"}
+    files["json"].write_text(json.dumps({"runs": results}, indent=2) + "\n")
+    files["table"].write_text(markdown_table(results))
+    plot_acceptance(results, files["acceptance_plot"])
+    plot_speedup(results, files["speedup_plot"])
+    return {k: str(v) for k, v in files.items()}
 
 
 def plot_acceptance(results: list[dict], path: str | Path) -> Path:
