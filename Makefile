@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 demo: install
-	$(BIN)/dflash demo
+	$(BIN)/dflash demo --config jobs/configs/demo.yaml
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -6,7 +6,7 @@
     dflash train    --config jobs/configs/train.yaml [key=value ...]
     dflash export   RUN_DIR OUT_DIR
     dflash serve    --config serve/config.yaml [key=value ...]
-    dflash demo
+    dflash demo     [--config jobs/configs/demo.yaml] [key=value ...]
 
 Stages are imported lazily, so `dflash generate` never pays for importing Ray. Errors a
 user can fix (a missing file, a bad key, a drafter for another target) print one line and
@@ -112,21 +112,31 @@ def cmd_generate(args) -> int:
 
 # --- bench ------------------------------------------------------------------------------
 
+def _bench_temperatures(args) -> list[float]:
+    """--temperatures 0,1 wins; else --temperature; else both T=0 and T=1."""
+    if args.temperatures:
+        try:
+            return [float(t) for t in str(args.temperatures).split(",")]
+        except ValueError:
+            raise UserError(f"--temperatures must be comma-separated numbers, got {args.temperatures!r}") from None
+    return [args.temperature] if args.temperature is not None else [0.0, 1.0]
+
+
+def _refuse_existing(paths: list[str], overwrite: bool) -> None:
+    for p in paths:
+        if Path(p).exists() and not overwrite and (Path(p).is_file() or any(Path(p).iterdir())):
+            raise UserError(f"{p} exists and is not empty; pass --overwrite to replace it")
+
+
 def cmd_bench(args) -> int:
     """AR vs DFlash (and prompt lookup) per dataset and temperature; JSON, markdown, PNG."""
     from dflash.bench import run_bench
     from dflash.prompts import DATASETS, from_jsonl, load_prompt_set
-    from jobs.report import markdown_table, plot_acceptance, plot_speedup
+    from jobs.report import markdown_table, write_bench_report
 
     _set_threads(args.threads)
-    outputs = [p for p in (args.json, args.out) if p]
-    for p in outputs:
-        if Path(p).exists() and not args.overwrite and (Path(p).is_file() or any(Path(p).iterdir())):
-            raise UserError(f"{p} exists and is not empty; pass --overwrite to replace it")
-    try:
-        temps = [float(t) for t in str(args.temperatures).split(",")] if args.temperatures else [args.temperature]
-    except ValueError:
-        raise UserError(f"--temperatures must be comma-separated numbers, got {args.temperatures!r}") from None
+    _refuse_existing([p for p in (args.json, args.out) if p], args.overwrite)
+    temps = _bench_temperatures(args)
     sets: list[tuple[str, list]] = []
     try:
         if args.prompts:
@@ -152,26 +162,26 @@ def cmd_bench(args) -> int:
                 print(f"[bench {name} T={temp:g}] {i}/{n} tau {row['tau']:.2f} exact {row['exact_match']}",
                       file=sys.stderr, flush=True)
 
-            r = run_bench(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=temp,
-                          top_p=args.top_p, seed=args.seed, prompt_lookup=args.prompt_lookup, progress=progress)
+            try:
+                r = run_bench(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=temp,
+                              top_p=args.top_p, seed=args.seed, prompt_lookup=args.prompt_lookup, progress=progress,
+                              block_size=args.block_size)
+            except ValueError as e:  # e.g. a prompt longer than the target's context
+                raise UserError(f"{name}: {e}") from e
             results.append({"dataset": name, "target": target.target_id, "drafter": args.drafter or "random", **r})
     table = markdown_table(results)
-    doc = results[0] if len(results) == 1 else {"runs": results}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        doc = results[0] if len(results) == 1 else {"runs": results}
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps({"runs": results}, indent=2) + "\n")
-        (out / "bench.md").write_text(table)
-        plot_acceptance(results, out / "acceptance_histogram.png")
-        plot_speedup(results, out / "speedup.png")
+        files = write_bench_report(results, args.out)
+        print(f"[bench] wrote {', '.join(files.values())}", file=sys.stderr)
     print(table, file=sys.stderr)
     keys = ("dataset", "temperature", "tau", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
-            "exact_match_rate", "lossless")
-    print(json.dumps([{k: r[k] for k in keys} for r in results] if len(results) > 1
-                     else {k: results[0][k] for k in keys}))
+            "prompt_lookup_speedup", "exact_match_rate", "lossless")
+    rows = [{k: r.get(k) for k in keys} for r in results]
+    print(json.dumps(rows if len(rows) > 1 else rows[0]))
     return 0
 
 
@@ -224,23 +234,6 @@ def cmd_export(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
-    try:
-        from jobs.demo import run_demo
-    except ImportError:
-        run_demo = None
-    if run_demo is not None:
-        return run_demo(args)
-    # Until the end-to-end demo lands: generate and bench with the default target.
-    base = ["--target", "default", "--dtype", args.dtype]
-    rc = main(["generate", *base, "--drafter", "random", "--chat", "--prompt",
-               "Explain speculative decoding in two sentences.", "--max-new-tokens", "48"])
-    if rc:
-        return rc
-    return main(["bench", *base, "--drafter", "random", "--dataset", "mt-bench", "--limit", "3",
-                 "--max-new-tokens", "48", "--json", "demo_out/bench.json", "--overwrite"])
-
-
 # --- parser -----------------------------------------------------------------------------
 
 def _target_flags(p):
@@ -276,8 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--dataset", help="mt-bench, humaneval, aime24, math500, sharegpt-heldout; "
                      "comma-separated, or 'all'")
     p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--prompt-lookup", action="store_true", help="also run transformers' prompt-lookup decoding")
-    p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default: --temperature)")
+    p.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run transformers' prompt-lookup decoding (a peer baseline; default on)")
+    p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default: --temperature "
+                   "if given, else both 0 and 1)")
+    p.set_defaults(temperature=None)
     p.add_argument("--json", default=None, help="write the full result here")
     p.add_argument("--out", default=None, help="directory for bench.json, bench.md and PNG plots")
     p.add_argument("--overwrite", action="store_true")
@@ -287,8 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("distill", "pipelines.distill", "DistillConfig", "run_distill", None),
         ("train", "pipelines.train", "TrainConfig", "run_train", None),
         ("serve", "serve.config", "ServeConfig", "run_serve", "load_serve_config"),
+        ("demo", "jobs.demo", "DemoConfig", "run_demo", None),
     ]:
-        p = sub.add_parser(name, help=f"run the {name} stage from a YAML config")
+        p = sub.add_parser(name, help="the end-to-end demo: distill, train, bench, serve" if name == "demo"
+                           else f"run the {name} stage from a YAML config")
         p.add_argument("--config", default=None, help="YAML config (see jobs/configs/)")
         p.add_argument("--print-config", action="store_true", help="validate and print the config, run nothing")
         p.add_argument("overrides", nargs="*", help="key=value overrides")
@@ -299,9 +297,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir")
     p.set_defaults(fn=cmd_export)
 
-    p = sub.add_parser("demo", help="the end-to-end demo on the embedded default target")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.set_defaults(fn=cmd_demo)
     return parser
 
 
