@@ -143,6 +143,9 @@ def run_serve(cfg: ServeConfig, ready: threading.Event | None = None, stop: thre
 
     from serve.app import build_app
 
+    if cfg.ray_address is None and cfg.drafter and not Path(cfg.drafter).expanduser().exists():
+        # a local Ray: the replica would run here and fail to start on a missing drafter
+        raise FileNotFoundError(f"drafter directory not found: {cfg.drafter}")
     stop = stop or threading.Event()
     previous = {}
     started_ray = not ray.is_initialized()

@@ -24,6 +24,9 @@ torch.set_num_threads(1)  # 2 shared cores: oversubscribed threads are catastrop
 sys.path.insert(0, os.path.dirname(__file__))  # tests/support.py
 
 _RAY_TMP = tempfile.mkdtemp(prefix="dflash-ray-tests-")
+# ray.cluster_utils.Cluster (the multi-node tests) writes an address file into Ray's default
+# temp dir without creating it; on a fresh machine nothing else has made /tmp/ray yet.
+os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)
 
 
 @pytest.fixture(scope="session")
