@@ -219,7 +219,8 @@ class Target:
         hidden = out.last_hidden_state
         if logits_slice is not None:
             hidden = hidden[:, logits_slice]
-        logits = self.model.lm_head(hidden).float()
+        # a 2D product: a sliced 3D input can send CPU bf16 linear down a slow bmm path
+        logits = self.model.lm_head(hidden.reshape(-1, hidden.shape[-1])).float().view(*hidden.shape[:-1], -1)
         taps = None
         if tap_layer_ids is not None:
             taps = torch.cat([out.hidden_states[l + 1] for l in tap_layer_ids], dim=-1)

@@ -44,6 +44,7 @@ class DemoConfig:
     # 1. distill (fp32 on CPU: exact features, batching-invariant greedy tokens)
     samples: int = 48
     max_new_tokens: int = 96
+    max_seq_len: int = 320  # prompt + response; longer ShareGPT prompts are skipped (prefill dominates)
     num_taps: int = 3
     # 2. train
     train_steps: int = 120
@@ -65,6 +66,9 @@ class DemoConfig:
     serve_max_tokens: int = 48
 
     def __post_init__(self):
+        if self.max_seq_len <= self.max_new_tokens:
+            raise ValueError(f"max_seq_len {self.max_seq_len} leaves no room for a prompt before "
+                             f"max_new_tokens {self.max_new_tokens}")
         for name in ("samples", "max_new_tokens", "num_taps", "train_steps", "num_anchors", "bench_prompts",
                      "bench_max_new_tokens", "serve_max_tokens"):
             if getattr(self, name) < 1:
@@ -103,7 +107,8 @@ def distill(cfg: DemoConfig, out: Path) -> dict:
     from pipelines.distill import DistillConfig, run_distill
 
     return run_distill(DistillConfig(target=cfg.target, source="sharegpt", split="train", limit=cfg.samples,
-                                     max_new_tokens=cfg.max_new_tokens, max_turns=1, num_taps=cfg.num_taps,
+                                     max_new_tokens=cfg.max_new_tokens, max_seq_len=cfg.max_seq_len, max_turns=1,
+                                     num_taps=cfg.num_taps,
                                      shard_size=16, output_dir=str(out / "distill")))
 
 

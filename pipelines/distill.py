@@ -308,7 +308,9 @@ def distill_shards(cfg: DistillConfig, spec, todo: list[tuple[int, list[dict]]])
     from pipelines.distill_worker import ShardDistiller
 
     ray = _init_ray(cfg)
-    ray.data.DataContext.get_current().enable_progress_bars = cfg.progress
+    # Ray Data's own bars on a terminal; in logs (jobs, CI) they become a status block every
+    # 10 s, so there only the per-sample bar below reports progress
+    ray.data.DataContext.get_current().enable_progress_bars = cfg.progress and sys.stderr.isatty()
     items = [{"shard": i, "samples": json.dumps(samples)} for i, samples in todo]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
     ds = ds.map_batches(ShardDistiller, fn_constructor_kwargs={"spec": spec}, batch_size=1,
