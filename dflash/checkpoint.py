@@ -34,7 +34,9 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: str | torch
     dt = parse_dtype(dtype)
     cfg = drafter.config.to_hf_dict()
     cfg["dtype"] = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}[dt]
-    state = {k: v.detach().to("cpu", dt).contiguous() for k, v in drafter.state_dict().items()}
+    # weights in `dtype`; index buffers (draft_vocab) keep their integer type
+    state = {k: v.detach().to("cpu", dt if v.is_floating_point() else v.dtype).contiguous()
+             for k, v in drafter.state_dict().items()}
     tmp = out / (WEIGHTS_NAME + ".tmp")
     save_file(state, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / WEIGHTS_NAME)

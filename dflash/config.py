@@ -62,6 +62,10 @@ class DrafterConfig:
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
     attention_bias: bool = False
+    # > 0: the drafter scores only this many target tokens (the most frequent in its
+    # training data, ids in the `draft_vocab` buffer); 0: the whole target vocabulary.
+    # Lossless either way: the target verifies every drafted token.
+    draft_vocab_size: int = 0
     # informational: which target this drafter was built for (id + weights hash)
     target_id: str = ""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -80,6 +84,8 @@ class DrafterConfig:
             )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside vocabulary of {self.vocab_size}")
+        if self.draft_vocab_size and not 2 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be 0 (all) or in 2..{self.vocab_size}, got {self.draft_vocab_size}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         object.__setattr__(self, "target_layer_ids", tuple(int(l) for l in self.target_layer_ids))
@@ -105,6 +111,7 @@ class DrafterConfig:
         target_layer_ids: list[int] | None = None,
         num_taps: int = 5,
         target_id: str = "",
+        draft_vocab_size: int = 0,
     ) -> "DrafterConfig":
         """Copy the layer shape from a transformers config of the target."""
         n_layers = target_config.num_hidden_layers
@@ -129,21 +136,26 @@ class DrafterConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=getattr(target_config, "max_position_embeddings", 8192),
             target_id=target_id,
+            draft_vocab_size=draft_vocab_size,
         )
 
     # --- public DFlash drafter layout (config.json) -----------------------------------
     def to_hf_dict(self) -> dict:
-        """config.json in the layout of the public DFlash drafters (Qwen3-style fields)."""
+        """config.json in the layout of the public DFlash drafters (Qwen3-style fields).
+
+        A restricted draft vocabulary (draft_vocab_size > 0) is our extension: it adds
+        dflash_config.draft_vocab_size and a `draft_vocab` index tensor to the weights,
+        which loaders of the public layout do not know."""
+        dflash_config = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.draft_vocab_size:
+            dflash_config["draft_vocab_size"] = self.draft_vocab_size
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "block_size": self.block_size,
-            "dflash_config": {
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-            },
+            "dflash_config": dflash_config,
             "head_dim": self.head_dim,
             "hidden_act": self.hidden_act,
             "hidden_size": self.hidden_size,
@@ -191,6 +203,7 @@ class DrafterConfig:
             max_position_embeddings=d.get("max_position_embeddings", 8192),
             hidden_act=d.get("hidden_act", "silu"),
             attention_bias=d.get("attention_bias", False),
+            draft_vocab_size=dc.get("draft_vocab_size", 0),
             target_id=target_id,
             extra=ours,
         )

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dflash.drafter import DFlashDrafter, concat_context
+from dflash.drafter import DFlashDrafter, OutputHead, concat_context
 from dflash.masks import causal_attention_mask, extend_attention_mask
 from dflash.sampling import VERIFY_RULES, sample_from, token_probs, verify_match, verify_rejection
 from dflash.target import Target
@@ -230,6 +230,7 @@ class SpeculativeDecoder:
                 raise ValueError("a drafter needs block_size >= 2")
             self.tap_ids = cfg.target_layer_ids
             self.mask_token_id = cfg.mask_token_id
+            self.head = OutputHead(target.model.lm_head.weight, drafter.draft_vocab)
         self.stop_token_ids = set(target.stop_token_ids)
         self.max_positions = getattr(target.config, "max_position_embeddings", 1 << 30)
 
@@ -307,7 +308,7 @@ class SpeculativeDecoder:
         positions = batch.next_pos[:, None] + torch.arange(B, device=self.device)
         hidden = self.drafter(self.target.embed(block), positions, batch.context,
                               extend_attention_mask(batch.slot_valid, B, causal=False))
-        return self.target.lm_head(hidden[:, 1:]).float()
+        return self.head.full(self.head.logits(hidden[:, 1:]))
 
     @torch.no_grad()
     def step(self, batch: DecodeBatch) -> list[list[int]]:

@@ -132,10 +132,17 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        if cfg.draft_vocab_size:  # target token ids the drafter may draft, sorted (set by training)
+            self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size), persistent=True)
+        else:
+            self.draft_vocab = None
         self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02):
+    def reset_parameters(self, std: float = 0.02, zero_output: bool = False):
+        """Normal(0, std) linears, unit norms. zero_output: o_proj and down_proj start at 0,
+        so every layer starts as the identity and the first predictions are those of the
+        block's own embeddings (a far lower first loss than random outputs through a tied head)."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
@@ -143,6 +150,20 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+        if zero_output:
+            for layer in self.layers:
+                nn.init.zeros_(layer.self_attn.o_proj.weight)
+                nn.init.zeros_(layer.mlp.down_proj.weight)
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: list[int] | torch.Tensor) -> None:
+        """The target tokens this drafter may draft (draft_vocab_size of them, any order)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).sort().values
+        if self.draft_vocab is None or ids.shape != self.draft_vocab.shape:
+            raise ValueError(f"expected {self.config.draft_vocab_size} token ids, got {tuple(ids.shape)}")
+        if ids.unique().numel() != ids.numel() or not 0 <= int(ids[0]) <= int(ids[-1]) < self.config.vocab_size:
+            raise ValueError("draft vocabulary ids must be distinct target token ids")
+        self.draft_vocab.copy_(ids)
 
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> ContextKV:
         """taps (b, c, n_taps*D) raw target features -> per-layer injected k, v.
@@ -167,6 +188,40 @@ class DFlashDrafter(nn.Module):
         for layer, (ctx_k, ctx_v) in zip(self.layers, context):
             h = layer(h, cos, sin, ctx_k, ctx_v, mask)
         return self.norm(h)
+
+
+class OutputHead:
+    """The target's frozen LM head, restricted to the drafter's draft vocabulary if it has one.
+
+    logits(hidden) -> (..., K) scores over the K draftable tokens (K = V without a draft
+    vocabulary); full(logits) -> (..., V) with -inf on tokens the drafter never drafts, so
+    sampling and verification code sees ordinary target-vocabulary distributions;
+    index(labels) -> the labels' columns in `logits`, -1 for tokens outside the vocabulary.
+    """
+
+    def __init__(self, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor | None):
+        self.vocab_size = lm_head_weight.shape[0]
+        self.vocab = draft_vocab.to(lm_head_weight.device) if draft_vocab is not None else None
+        self.weight = lm_head_weight if self.vocab is None else lm_head_weight.index_select(0, self.vocab)
+        self._column = None
+        if self.vocab is not None:
+            self._column = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.vocab.device)
+            self._column[self.vocab] = torch.arange(self.vocab.numel(), device=self.vocab.device)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # as a 2D product: a sliced 3D input (b=1, strided) sends CPU bf16 linear down a bmm
+        # path that copies the whole (V, D) weight per call, ~20x slower
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(self.weight.dtype)
+        return F.linear(flat, self.weight).float().view(*hidden.shape[:-1], -1)
+
+    def full(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.vocab is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.vocab, logits)
+
+    def index(self, labels: torch.Tensor) -> torch.Tensor:
+        return labels if self._column is None else self._column[labels]
 
 
 def concat_context(a: ContextKV | None, b: ContextKV) -> ContextKV:

@@ -79,12 +79,16 @@ def dflash_loss(
     gamma: float | None = None,
     generator: torch.Generator | None = None,
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    label_index=None,
 ) -> LossOutput:
     """Weighted same-position cross-entropy over random blocks.
 
     input_ids, loss_mask (b, T); taps (b, T, n_taps*D); context_valid (b, T) (default: all).
     `embed` and `lm_head` are the target's frozen modules. `anchors` = (anchors, valid)
-    overrides sampling (tests, evaluation).
+    overrides sampling (tests, evaluation). With a restricted draft vocabulary, `lm_head`
+    scores only the K draftable tokens and `label_index` maps target ids to those K columns
+    (-1 outside: such labels carry no loss, nothing could learn them, but they count as
+    misses in the accuracies); see dflash.drafter.OutputHead.
     """
     cfg = drafter.config
     B = cfg.block_size
@@ -99,14 +103,17 @@ def dflash_loss(
     # score only the scored slots: the LM head over 49K+ rows is the dominant cost
     slots = hidden[:, :, 1:]  # (b, A, B-1, D)
     sel = label_valid.nonzero(as_tuple=True)
-    logits = lm_head(slots[sel]).float()  # (N, V)
+    logits = lm_head(slots[sel]).float()  # (N, K): K = V, or the draft vocabulary's size
     target = labels[sel]
+    column = label_index(target) if label_index is not None else target
+    draftable = column >= 0
     k_index = sel[2]  # 0-based slot index, i.e. k-1
     w = position_weights(B, gamma if gamma is not None else cfg.gamma, device=logits.device)[k_index]
-    ce = F.cross_entropy(logits, target, reduction="none")
+    w = w * draftable
+    ce = F.cross_entropy(logits, column.clamp(min=0), reduction="none")
     loss = (w * ce).sum() / w.sum().clamp(min=1e-8)
     with torch.no_grad():
-        hit = (logits.argmax(-1) == target).float()
+        hit = ((logits.argmax(-1) == column) & draftable).float()
         correct = torch.zeros(B - 1, device=logits.device).index_add_(0, k_index, hit)
         counts = torch.zeros(B - 1, device=logits.device).index_add_(0, k_index, torch.ones_like(hit))
     return LossOutput(loss=loss, correct=correct, counts=counts, num_predictions=int(target.numel()))

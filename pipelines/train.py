@@ -37,16 +37,18 @@ import torch
 from torch import nn
 
 from dflash.config import DrafterConfig, default_target_layer_ids
-from dflash.drafter import DFlashDrafter
+from dflash.drafter import DFlashDrafter, OutputHead
 from dflash.objective import dflash_loss, implied_tau
-from pipelines.train_data import inspect_training_data, micro_batches, read_dataset, round_to_storage
+from pipelines.train_data import (inspect_training_data, micro_batches, most_frequent_tokens, read_dataset,
+                                  response_token_counts, round_to_storage)
 
 STATE_NAME = "train_state.json"
 METRICS_NAME = "metrics.jsonl"
 RUN_NAME = "run.json"
 DS_DIR, DS_TAG = "deepspeed", "state"
 # fields that define the drafter and its data; a resumed run must not change them
-MODEL_FIELDS = ("target", "data", "mode", "block_size", "num_draft_layers", "target_layer_ids", "num_taps", "seed")
+MODEL_FIELDS = ("target", "data", "mode", "block_size", "num_draft_layers", "target_layer_ids", "num_taps", "seed",
+                "draft_vocab_size")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,10 @@ class TrainConfig:
     target_layer_ids: tuple[int, ...] | None = None  # offline: the data's; online: paper spread of num_taps
     num_taps: int = 5
     gamma: float | None = None  # None: by block size (7 for 16)
-    init: Literal["random", "target"] = "random"  # "target": copy the target's last layers
+    # random; zero_output: random with o_proj/down_proj at 0 (each layer starts as the identity);
+    # target: copy the target's last layers
+    init: Literal["random", "zero_output", "target"] = "random"
+    draft_vocab_size: int = 0  # > 0: draft only the K most frequent response tokens of the data
     max_seq_len: int = 2048
     bucket_batches: int = 8  # micro-batches per length-sorting buffer
     # checkpoints, metrics, evaluation
@@ -128,6 +133,7 @@ class TrainPlan:
     steps_per_epoch: int
     total_steps: int
     run_dir: str
+    draft_vocab: tuple[int, ...] = ()  # the draftable token ids, when draft_vocab_size > 0
 
 
 # --- the model DeepSpeed trains ------------------------------------------------------------
@@ -145,8 +151,10 @@ class DrafterObjective(nn.Module):
 
     def forward(self, input_ids, loss_mask, taps, valid, generator):
         target = self._target[0]
-        return dflash_loss(self.drafter, target.embed, target.lm_head, input_ids, loss_mask, taps, valid,
-                           num_anchors=self.num_anchors, gamma=self.gamma, generator=generator)
+        head = OutputHead(target.model.lm_head.weight, self.drafter.draft_vocab)
+        return dflash_loss(self.drafter, target.embed, head.logits, input_ids, loss_mask, taps, valid,
+                           num_anchors=self.num_anchors, gamma=self.gamma, generator=generator,
+                           label_index=head.index)
 
 
 @torch.no_grad()
@@ -208,8 +216,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
     dcfg = DrafterConfig.from_hf_dict(plan.drafter_config)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg)
-    if cfg.init == "target":
+    if cfg.init == "zero_output":
+        drafter.reset_parameters(zero_output=True)
+    elif cfg.init == "target":
         init_from_target(drafter, target)
+    if plan.draft_vocab:
+        drafter.set_draft_vocab(plan.draft_vocab)
     model = DrafterObjective(drafter.to(device), target, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -427,7 +439,15 @@ def plan_run(cfg: TrainConfig) -> tuple[TrainPlan, object]:
     vocab_view = type("VocabView", (), {"tokenizer": info.tokenizer, "vocab_size": hf_config.vocab_size,
                                         "target_id": info.target_id})
     dcfg = DrafterConfig.for_target(hf_config, choose_mask_token_id(vocab_view), cfg.num_draft_layers,
-                                    cfg.block_size, list(layer_ids), target_id=info.target_id)
+                                    cfg.block_size, list(layer_ids), target_id=info.target_id,
+                                    draft_vocab_size=cfg.draft_vocab_size)
+    draft_vocab = ()
+    if cfg.draft_vocab_size:
+        counts = response_token_counts(data, hf_config.vocab_size)
+        draft_vocab = most_frequent_tokens(counts, cfg.draft_vocab_size)
+        covered = counts[list(draft_vocab)].sum() / max(1, counts.sum())
+        print(f"[train] draft vocabulary: the {cfg.draft_vocab_size} most frequent response tokens cover "
+              f"{covered:.1%} of the data's {int(counts.sum())} response tokens", file=sys.stderr)
     rows_per_worker = data.num_rows // cfg.num_workers
     steps_per_epoch = rows_per_worker // cfg.micro_batch_size // cfg.grad_accum
     if steps_per_epoch < 1:
@@ -435,7 +455,7 @@ def plan_run(cfg: TrainConfig) -> tuple[TrainPlan, object]:
                          f"x grad_accum = {cfg.num_workers * cfg.micro_batch_size * cfg.grad_accum}")
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
     load_eval_prompts(cfg)  # a bad prompt set fails here, not in a worker
-    plan = TrainPlan(dcfg.to_hf_dict(), steps_per_epoch, total, str(cfg.run_dir))
+    plan = TrainPlan(dcfg.to_hf_dict(), steps_per_epoch, total, str(cfg.run_dir), draft_vocab)
     return plan, data
 
 

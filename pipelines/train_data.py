@@ -61,6 +61,23 @@ def inspect_training_data(directory: str, *, offline: bool, target_id: str, weig
     return DataInfo(tuple(str(f) for f in files), rows, meta)
 
 
+def response_token_counts(info: DataInfo, vocab_size: int) -> np.ndarray:
+    """(V,) how often each token id occurs among the response (loss) tokens of the data."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for f in info.files:
+        t = pq.read_table(f, columns=["input_ids", "loss_mask"])
+        ids = t.column("input_ids").combine_chunks().flatten().to_numpy()
+        mask = t.column("loss_mask").combine_chunks().flatten().to_numpy().astype(bool)
+        counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def most_frequent_tokens(counts: np.ndarray, k: int) -> tuple[int, ...]:
+    """The k most frequent ids (ties: the lower id first), sorted by id."""
+    order = np.argsort(-counts, kind="stable")[:k]
+    return tuple(sorted(int(i) for i in order))
+
+
 def read_dataset(info: DataInfo, offline: bool):
     """A Ray Dataset over the shards; online mode never reads the (large) hidden column."""
     import ray

@@ -1,0 +1,119 @@
+"""A drafter restricted to the K most frequent response tokens: the head, the loss, the
+checkpoint, the training data's token counts, and lossless decoding with the real target.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dflash.checkpoint import load_drafter, save_drafter
+from dflash.config import DrafterConfig
+from dflash.decoding import SamplingParams, SpeculativeDecoder
+from dflash.drafter import DFlashDrafter, OutputHead
+from dflash.objective import dflash_loss
+from dflash.target import choose_mask_token_id
+from pipelines.train_data import DataInfo, most_frequent_tokens, response_token_counts
+from support import CHAT_PROMPTS, chat_prompt_ids, hf_greedy, padded_batch, target_taps
+
+
+def small_vocab_drafter(target, k: int, seed: int = 0, block_size: int = 8) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), num_taps=3, block_size=block_size,
+                                   target_id=target.target_id, draft_vocab_size=k)
+    drafter = DFlashDrafter(cfg).eval()
+    drafter.set_draft_vocab(torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(seed))[:k])
+    return drafter
+
+
+def test_head_scores_only_the_vocabulary_and_maps_labels():
+    w = torch.randn(10, 4)
+    vocab = torch.tensor([1, 4, 7])
+    head, full_head = OutputHead(w, vocab), OutputHead(w, None)
+    h = torch.randn(2, 3, 4)
+    sub = head.logits(h)
+    assert sub.shape == (2, 3, 3)
+    full = head.full(sub)
+    ref = full_head.logits(h)
+    assert torch.equal(full[..., vocab], ref[..., vocab])
+    outside = torch.tensor([0, 2, 3, 5, 6, 8, 9])
+    assert torch.isinf(full[..., outside]).all() and (full[..., outside] < 0).all()
+    assert head.index(torch.tensor([4, 0, 7, 1])).tolist() == [1, -1, 2, 0]
+    assert torch.equal(full_head.full(ref), ref) and full_head.index(torch.tensor([3])).tolist() == [3]
+
+
+def test_set_draft_vocab_checks_its_ids(target_fp32):
+    d = small_vocab_drafter(target_fp32, 16)
+    assert d.draft_vocab.tolist() == sorted(d.draft_vocab.tolist())
+    for bad in ([1] * 16, list(range(15)), list(range(target_fp32.vocab_size - 8, target_fp32.vocab_size + 8))):
+        with pytest.raises(ValueError):
+            d.set_draft_vocab(bad)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        d.config.replace(draft_vocab_size=1)
+
+
+def test_checkpoint_keeps_the_ids_exact_in_bf16(tmp_path, target_fp32):
+    d = small_vocab_drafter(target_fp32, 300, seed=1)
+    assert int(d.draft_vocab.max()) > 1000  # bf16 would round ids this large
+    save_drafter(d, tmp_path / "d", dtype="bf16")
+    back = load_drafter(tmp_path / "d", target=target_fp32, dtype="bf16")
+    assert back.config.draft_vocab_size == 300 and back.draft_vocab.dtype == torch.long
+    assert torch.equal(back.draft_vocab, d.draft_vocab) and back.fc.weight.dtype == torch.bfloat16
+
+
+def test_loss_ignores_undraftable_labels_but_counts_them_as_misses(target_fp32):
+    prompts = chat_prompt_ids(target_fp32, CHAT_PROMPTS[:2])
+    outputs = [r.output_ids for r in SpeculativeDecoder(target_fp32).generate(prompts, SamplingParams(12))]
+    ids, loss_mask, valid = padded_batch(prompts, outputs)
+    response = sorted({t for o in outputs for t in o})
+    d = small_vocab_drafter(target_fp32, 64, seed=2)
+    d.set_draft_vocab((response[: len(response) // 2] + [t for t in range(target_fp32.vocab_size)
+                                                          if t not in response])[:64])
+    taps = target_taps(target_fp32, ids, valid, d.config.target_layer_ids)
+    head = OutputHead(target_fp32.model.lm_head.weight, d.draft_vocab)
+    anchors = torch.tensor([[len(prompts[0])], [len(prompts[1])]]), torch.ones(2, 1, dtype=torch.bool)
+    out = dflash_loss(d, target_fp32.embed, head.logits, ids, loss_mask, taps, valid, anchors=anchors,
+                      label_index=head.index)
+    assert torch.isfinite(out.loss) and out.loss > 0
+    assert out.counts.sum() == out.num_predictions and out.num_predictions > 0  # every scored label is counted
+    # with no draftable label at all the loss is 0 (nothing to learn) and nothing is a hit
+    d.set_draft_vocab([t for t in range(target_fp32.vocab_size) if t not in response][:64])
+    head = OutputHead(target_fp32.model.lm_head.weight, d.draft_vocab)
+    out = dflash_loss(d, target_fp32.embed, head.logits, ids, loss_mask, taps, valid, anchors=anchors,
+                      label_index=head.index)
+    assert out.loss == 0 and out.correct.sum() == 0 and out.counts.sum() > 0
+
+
+def test_token_counts_and_most_frequent(tmp_path):
+    table = pa.table({"input_ids": pa.array([[5, 1, 1, 2], [1, 3, 3, 3]], pa.list_(pa.int32())),
+                      "loss_mask": pa.array([[0, 1, 1, 1], [0, 1, 1, 1]], pa.list_(pa.uint8()))})
+    pq.write_table(table, tmp_path / "part-00000.parquet")
+    info = DataInfo((str(tmp_path / "part-00000.parquet"),), 2, None)
+    counts = response_token_counts(info, 8)
+    assert counts.tolist() == [0, 2, 1, 3, 0, 0, 0, 0]  # prompt tokens (5, and the second row's 1) are not counted
+    assert most_frequent_tokens(counts, 2) == (1, 3)
+    assert most_frequent_tokens(counts, 4) == (0, 1, 2, 3)  # ties go to the lower id
+    assert most_frequent_tokens(np.array([0, 0, 9]), 1) == (2,)
+
+
+@pytest.mark.parametrize("k", [48, 4096])
+def test_decoding_is_lossless_fp32_and_drafts_only_the_vocabulary(target_fp32, k):
+    prompts = chat_prompt_ids(target_fp32, CHAT_PROMPTS[:3])
+    reference = [hf_greedy(target_fp32, p, 24) for p in prompts]
+    d = small_vocab_drafter(target_fp32, k, seed=3)
+    # make the reference tokens draftable for the larger vocabulary, so drafts are accepted too
+    if k > 1000:
+        keep = sorted({t for r in reference for t in r})
+        rest = [t for t in d.draft_vocab.tolist() if t not in keep]
+        d.set_draft_vocab(keep + rest[: k - len(keep)])
+    dec = SpeculativeDecoder(target_fp32, d)
+    batch = dec.prefill(prompts, SamplingParams(24))
+    q = dec.draft_logits(batch)
+    allowed = torch.zeros(target_fp32.vocab_size, dtype=torch.bool)
+    allowed[d.draft_vocab] = True
+    assert torch.isinf(q[..., ~allowed]).all() and torch.isfinite(q[..., allowed]).all()
+    out = dec.generate(prompts, SamplingParams(24), batch_size=3)
+    assert [r.output_ids for r in out] == reference
