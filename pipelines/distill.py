@@ -14,6 +14,8 @@ actor pool (pipelines/distill_worker.py):
    samples. The plan is a pure function of the config and the source files.
 3. Cut the plan into shards of `shard_size` consecutive samples: shard i is always
    part-<i>.parquet. Shards already on disk are skipped, the rest go through the pool.
+   Rerunning with a larger `limit` extends the dataset: only the new shards (and a last
+   shard that was short) are computed.
    Each shard file appears by atomic rename, so after any crash (actor, node or driver)
    a rerun computes exactly the missing shards and no reader ever sees a partial file.
 4. Check exactly-once (every planned sample id once, nothing else) and write
@@ -242,9 +244,12 @@ def source_hash(spec: str) -> str:
 
 
 def run_fingerprint(cfg: DistillConfig, meta: DatasetMetadata, src_hash: str) -> str:
-    """Hash of everything that decides the output's content (not where or how fast it runs)."""
+    """Hash of everything that decides the output's content (not where or how fast it runs).
+
+    `limit` is left out: the plan is a deterministic prefix of the source, so a larger
+    limit adds shards after the existing ones (a dataset can grow in place)."""
     what = {k: v for k, v in cfg.as_dict().items() if k in (
-        "target", "source", "split", "heldout_fraction", "limit", "seed", "batch_size", "shard_size")}
+        "target", "source", "split", "heldout_fraction", "seed", "batch_size", "shard_size")}
     what |= {"metadata": json.loads(meta.encode()[b"dflash"]), "source_hash": src_hash}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -272,10 +277,13 @@ def _shard_done(path: Path, expected_rows: int) -> bool:
     if not path.exists():
         return False
     try:
-        return pq.read_metadata(path).num_rows == expected_rows
+        rows = pq.read_metadata(path).num_rows
     except Exception:  # unreadable (e.g. a disk filled up): recompute it
+        rows = None
+    if rows != expected_rows:  # unreadable, or the short last shard of a smaller limit
         path.unlink(missing_ok=True)
         return False
+    return True
 
 
 # --- the Ray part -----------------------------------------------------------------------------
@@ -351,6 +359,10 @@ def run_distill(cfg: DistillConfig) -> dict:
     plan = plan_samples(cfg, info.tokenizer)
     _write_json_atomic(out / REJECTS_NAME, "".join(json.dumps(r) + "\n" for r in plan.rejects))
     shards = [plan.samples[i: i + cfg.shard_size] for i in range(0, len(plan.samples), cfg.shard_size)]
+    beyond = sorted({p.name for p in shard_files(out)} - {shard_name(i) for i in range(len(shards))})
+    if beyond:
+        raise DistillConfigError(f"output_dir {out} holds {len(beyond)} shard(s) beyond this limit ({beyond[0]} ...): "
+                                 f"a dataset only grows; raise limit or use a new output_dir")
     todo = [(i, s) for i, s in enumerate(shards) if not _shard_done(out / shard_name(i), len(s))]
     t1 = time.perf_counter()
     results = []

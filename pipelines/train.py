@@ -325,7 +325,9 @@ def full_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, zero_stage: int, b
         if not build:
             return None
         copy = DFlashDrafter(dcfg)
-        copy.load_state_dict({k: p.detach().float().cpu() for k, p in drafter.named_parameters()}, strict=True)
+        state = {k: p.detach().float().cpu() for k, p in drafter.named_parameters()}
+        state |= {k: b.detach().cpu() for k, b in drafter.named_buffers()}  # draft_vocab ids, as they are
+        copy.load_state_dict(state, strict=True)
         return copy
 
 

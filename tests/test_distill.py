@@ -243,6 +243,20 @@ def test_rerun_of_a_complete_run_computes_nothing(distilled):
         run_distill(DistillConfig(**(summary["config"] | {"target_layer_ids": None, "max_new_tokens": 8})))
 
 
+def test_a_larger_limit_grows_the_dataset_in_place(source, tmp_path, ray_session):
+    first = run_distill(make_cfg(source, tmp_path / "g", limit=3, max_turns=1, max_new_tokens=4))
+    assert first["samples"] == 3 and first["run"]["shards_computed"] == 2  # shards of 2 and 1
+    before = (tmp_path / "g" / "part-00000.parquet").stat().st_mtime_ns
+    grown = run_distill(make_cfg(source, tmp_path / "g", limit=6, max_turns=1, max_new_tokens=4))
+    # shard 0 kept; the short shard 1 and the new shard 2 computed
+    assert grown["samples"] == 6 and grown["run"]["shards_computed"] == 2 and grown["run"]["shards_skipped"] == 1
+    assert (tmp_path / "g" / "part-00000.parquet").stat().st_mtime_ns == before
+    assert pq.read_table(tmp_path / "g").num_rows == 6
+    with pytest.raises(DistillConfigError, match="beyond this limit"):
+        run_distill(make_cfg(source, tmp_path / "g", limit=2, max_turns=1, max_new_tokens=4))
+    assert pq.read_table(tmp_path / "g").num_rows == 6
+
+
 @pytest.mark.slow
 def test_sampling_is_seeded_and_tokens_only_mode(source, tmp_path, ray_session):
     runs = [run_distill(make_cfg(source, tmp_path / f"s{k}", temperature=0.9, top_p=0.95, seed=7, limit=2,

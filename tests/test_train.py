@@ -228,12 +228,12 @@ def test_offline_and_online_give_the_same_first_step_loss(ray_session, tmp_path,
 
 
 @pytest.mark.slow
-def test_zero3_bf16_worker_failure_restarts_from_checkpoint(ray_session, tmp_path, data_dir, target_fp32):
+def test_zero3_bf16_worker_failure_restarts_from_checkpoint(ray_session, tmp_path, data_dir, target_fp32, sequences):
     from dflash.checkpoint import load_drafter
 
     cfg = TrainConfig(data=str(data_dir), output_dir=str(tmp_path), run_name="z3", num_workers=2, zero_stage=3,
                       precision="bf16", max_steps=4, fail_at_step=3, eval_at_end=True, eval_num_prompts=1,
-                      eval_max_new_tokens=8, **TINY)
+                      eval_max_new_tokens=8, draft_vocab_size=256, init="zero_output", **TINY)
     summary = run_train(cfg)
     rows = metrics_of(summary["run_dir"])
     # steps 1-3, the last rank dies after step 3, the group restarts from the step-2 checkpoint
@@ -244,6 +244,11 @@ def test_zero3_bf16_worker_failure_restarts_from_checkpoint(ray_session, tmp_pat
     drafter = load_drafter(summary["drafter_dir"], target=target_fp32)  # consolidated from ZeRO-3 shards
     assert json.loads((Path(summary["drafter_dir"]) / "training.json").read_text())["step"] == 4
     assert all(torch.isfinite(p).all() for p in drafter.parameters())
+    # the draft vocabulary (the 256 most frequent response tokens) survives sharding and export
+    prompts, outputs, _ = sequences
+    counts = torch.bincount(torch.tensor([t for o in outputs for t in o]), minlength=target_fp32.vocab_size)
+    assert drafter.config.draft_vocab_size == 256 and drafter.draft_vocab.dtype == torch.long
+    assert set(counts.nonzero().flatten().tolist()) <= set(drafter.draft_vocab.tolist())  # < 256 distinct here
 
 
 @pytest.mark.slow
