@@ -92,6 +92,9 @@ class TrainConfig:
     # target: copy the target's last layers
     init: Literal["random", "zero_output", "target"] = "random"
     draft_vocab_size: int = 0  # > 0: draft only the K most frequent response tokens of the data
+    # rms: train fc on taps divided by each feature's RMS over the data (offline only), folded
+    # back into fc at export, so the target's massive activations do not swamp the fusion
+    tap_scaling: Literal["none", "rms"] = "none"
     max_seq_len: int = 2048
     bucket_batches: int = 8  # micro-batches per length-sorting buffer
     # checkpoints, metrics, evaluation
@@ -134,6 +137,7 @@ class TrainPlan:
     total_steps: int
     run_dir: str
     draft_vocab: tuple[int, ...] = ()  # the draftable token ids, when draft_vocab_size > 0
+    tap_scale: tuple[float, ...] = ()  # per-feature multipliers of the taps (tap_scaling: rms)
 
 
 # --- the model DeepSpeed trains ------------------------------------------------------------
@@ -143,18 +147,50 @@ class DrafterObjective(nn.Module):
     gather hooks see every parameter use). The frozen target is held outside the module
     tree: DeepSpeed neither shards, casts nor optimises it."""
 
-    def __init__(self, drafter: DFlashDrafter, target, cfg: TrainConfig):
+    def __init__(self, drafter: DFlashDrafter, target, cfg: TrainConfig, tap_scale: tuple[float, ...] = ()):
         super().__init__()
         self.drafter = drafter
         self._target = (target,)  # a tuple hides it from nn.Module registration
         self.num_anchors, self.gamma = cfg.num_anchors, cfg.gamma
+        # a buffer, so it travels in every checkpoint and export can fold it into fc
+        self.register_buffer("tap_scale", torch.tensor(tap_scale, dtype=torch.float32) if tap_scale else None)
 
     def forward(self, input_ids, loss_mask, taps, valid, generator):
         target = self._target[0]
+        if self.tap_scale is not None:
+            taps = taps.float() * self.tap_scale
         head = OutputHead(target.model.lm_head.weight, self.drafter.draft_vocab)
         return dflash_loss(self.drafter, target.embed, head.logits, input_ids, loss_mask, taps, valid,
                            num_anchors=self.num_anchors, gamma=self.gamma, generator=generator,
                            label_index=head.index)
+
+
+@torch.no_grad()
+def fold_tap_scale(drafter: DFlashDrafter, tap_scale: torch.Tensor | None) -> DFlashDrafter:
+    """fc(taps * s) == fc'(taps) with fc' = fc * s per input column: the exported drafter
+    reads raw taps, in the public layout."""
+    if tap_scale is not None:
+        drafter.fc.weight.mul_(tap_scale.to(drafter.fc.weight)[None, :])
+    return drafter
+
+
+def tap_rms_scale(files, max_rows: int = 64) -> tuple[float, ...]:
+    """1 / RMS of each tap feature over the first `max_rows` samples of the data (their
+    position 0, the attention sink with RMS ~1000, left out)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from dflash.data import hidden_arrays
+
+    sq, tokens, rows = 0.0, 0, 0
+    for f in files:
+        for h in hidden_arrays(pq.read_table(f, columns=["hidden"]))[: max_rows - rows]:
+            x = h[1:].astype(np.float64)
+            sq, tokens, rows = sq + (x * x).sum(0), tokens + len(x), rows + 1
+        if rows >= max_rows:
+            break
+    rms = np.sqrt(sq / max(1, tokens))
+    return tuple(float(v) for v in 1.0 / np.maximum(rms, 1e-3))
 
 
 @torch.no_grad()
@@ -222,7 +258,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         init_from_target(drafter, target)
     if plan.draft_vocab:
         drafter.set_draft_vocab(plan.draft_vocab)
-    model = DrafterObjective(drafter.to(device), target, cfg)
+    model = DrafterObjective(drafter.to(device), target, cfg, plan.tap_scale)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(plan.total_steps, cfg.warmup_ratio))
@@ -284,6 +320,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             if (cfg.eval_every and step % cfg.eval_every == 0) or (last_step and cfg.eval_at_end):
                 copy = full_drafter(engine.module.drafter, dcfg, cfg.zero_stage, build=rank == 0)
                 if rank == 0:
+                    fold_tap_scale(copy, engine.module.tap_scale)
                     metrics["eval_tau"] = evaluate_tau(target, copy, prompts, cfg.eval_max_new_tokens)
                 dist.barrier()
             log.write(metrics)
@@ -456,8 +493,13 @@ def plan_run(cfg: TrainConfig) -> tuple[TrainPlan, object]:
         raise ValueError(f"dataset {cfg.data} has {data.num_rows} rows: too few for num_workers x micro_batch_size "
                          f"x grad_accum = {cfg.num_workers * cfg.micro_batch_size * cfg.grad_accum}")
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
+    tap_scale = ()
+    if cfg.tap_scaling == "rms":
+        if not offline:
+            raise ValueError("tap_scaling: rms needs offline data (stored taps); use tap_scaling=none online")
+        tap_scale = tap_rms_scale(data.files)
     load_eval_prompts(cfg)  # a bad prompt set fails here, not in a worker
-    plan = TrainPlan(dcfg.to_hf_dict(), steps_per_epoch, total, str(cfg.run_dir), draft_vocab)
+    plan = TrainPlan(dcfg.to_hf_dict(), steps_per_epoch, total, str(cfg.run_dir), draft_vocab, tap_scale)
     return plan, data
 
 
@@ -578,6 +620,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", ov
     weights = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
     drafter = DFlashDrafter(DrafterConfig.from_hf_dict(state["drafter_config"]))
     drafter.load_state_dict(weights, strict=True)
+    fold_tap_scale(drafter, full.get("tap_scale"))
     if out.exists():
         shutil.rmtree(out)
     meta = {"step": state["step"], "checkpoint": str(ckpt), "train_config": state["train_config"]}

@@ -108,6 +108,42 @@ def test_warmup_cosine_schedule():
     assert warmup_cosine(10, 0.0)(0) == 1.0
 
 
+def test_tap_scaling_trains_on_standardised_taps_and_folds_into_fc(target_fp32, sequences, data_dir):
+    """fc'(taps * s) during training == fc(taps) after folding, so the exported drafter reads
+    raw taps in the public layout; s makes every tap feature unit-RMS over the data."""
+    from dflash.config import DrafterConfig
+    from dflash.drafter import DFlashDrafter
+    from dflash.objective import dflash_loss
+    from dflash.target import choose_mask_token_id
+    from pipelines.train import DrafterObjective, fold_tap_scale, tap_rms_scale
+    from pipelines.train_data import inspect_training_data
+    from support import padded_batch
+
+    info = inspect_training_data(str(data_dir), offline=True, target_id=target_fp32.target_id,
+                                 weights_hash=target_fp32.weights_hash, num_target_layers=30, hidden_size=576,
+                                 target_layer_ids=LAYERS)
+    scale = torch.tensor(tap_rms_scale(info.files))
+    prompts, outputs, _ = sequences
+    ids, loss_mask, valid = padded_batch(prompts, outputs)
+    taps = target_taps(target_fp32, ids, valid, LAYERS)
+    body = torch.cat([taps[i, 1: int(valid[i].sum())] for i in range(len(prompts))])
+    rms = (body.half().float() * scale).pow(2).mean(0).sqrt()
+    assert rms.min() > 0.99 and rms.max() < 1.01  # unit RMS per feature (the data's fp16 taps)
+    assert scale.max() / scale.min() > 100  # massive activations: some features are 100x the others
+
+    cfg = DrafterConfig.for_target(target_fp32.config, choose_mask_token_id(target_fp32), target_layer_ids=LAYERS,
+                                   block_size=8)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    objective = DrafterObjective(drafter, target_fp32, TrainConfig(num_anchors=8), tuple(scale.tolist()))
+    g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    scaled = objective(ids, loss_mask, taps, valid, g())
+    folded = fold_tap_scale(drafter, scale)
+    raw = dflash_loss(folded, target_fp32.embed, target_fp32.lm_head, ids, loss_mask, taps, valid, num_anchors=8,
+                      generator=g())
+    assert torch.allclose(scaled.loss, raw.loss, rtol=1e-4) and torch.equal(scaled.counts, raw.counts)
+
+
 # --- bad input is refused before any worker starts --------------------------------------------
 
 def _refused(tmp_path, data: Path, match: str, **overrides):
@@ -173,7 +209,7 @@ def test_two_workers_zero2_loss_goes_down_exports_and_decodes_losslessly(ray_ses
 
     cfg = TrainConfig(data=str(data_dir), output_dir=str(tmp_path), run_name="z2", num_workers=2, zero_stage=2,
                       max_steps=8, init="target", eval_at_end=True, eval_num_prompts=2, eval_max_new_tokens=16,
-                      **(TINY | {"checkpoint_every": 4, "micro_batch_size": 1}))
+                      tap_scaling="rms", **(TINY | {"checkpoint_every": 4, "micro_batch_size": 1}))
     summary = run_train(cfg)
     steps = steps_of(summary["run_dir"])
     assert [r["step"] for r in steps] == list(range(1, 9)) and summary["steps"] == 8
