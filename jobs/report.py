@@ -85,27 +85,36 @@ def plot_speedup(results: list[dict], path: str | Path) -> Path:
     return Path(path)
 
 
+def _window_mean(rows: list[list[float]]) -> list[float]:
+    return [sum(col) / len(col) for col in zip(*rows)]
+
+
 def plot_training(metrics: list[dict], path: str | Path) -> Path:
-    """Training loss and per-block-position accuracy from metrics.jsonl rows."""
+    """Training loss (raw and a moving average) and per-block-position accuracy, averaged
+    over the first and the last tenth of the steps (one step's accuracy is too noisy)."""
     plt = _pyplot()
     rows = [m for m in metrics if "loss" in m]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [m.get("step", i) for i, m in enumerate(rows)]
-    a1.plot(steps, [m["loss"] for m in rows])
+    losses = [m["loss"] for m in rows]
+    w = max(1, len(rows) // 20)
+    smooth = [sum(losses[max(0, i - w + 1): i + 1]) / len(losses[max(0, i - w + 1): i + 1]) for i in range(len(losses))]
+    a1.plot(steps, losses, color="tab:blue", alpha=0.3, lw=0.8, label="per step")
+    a1.plot(steps, smooth, color="tab:blue", label=f"mean of {w}")
     a1.set_xlabel("step")
     a1.set_ylabel("loss")
     a1.set_yscale("log")
     a1.set_title("training loss")
-    accs = [m.get("acc") or m.get("accuracy") or m.get("per_position_acc") for m in rows]
-    accs = [a for a in accs if a]
+    a1.legend()
+    accs = [m["accuracy"] for m in rows if m.get("accuracy")]
     if accs:
-        last = accs[-1]
-        a2.bar(range(1, len(last) + 1), last)
-        if len(accs) > 1:
-            a2.plot(range(1, len(accs[0]) + 1), accs[0], "o--", color="gray", label="first step")
-            a2.legend()
-    a2.set_xlabel("block position k")
-    a2.set_ylabel("accuracy (last step)")
+        n = max(1, len(accs) // 10)
+        last, first = _window_mean(accs[-n:]), _window_mean(accs[:n])
+        a2.bar(range(1, len(last) + 1), last, label=f"last {n} steps")
+        a2.plot(range(1, len(first) + 1), first, "o--", color="gray", label=f"first {n} steps")
+        a2.legend()
+    a2.set_xlabel("block position k (predicts anchor + k)")
+    a2.set_ylabel("top-1 accuracy")
     a2.set_title("per-position accuracy")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
