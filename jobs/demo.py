@@ -46,8 +46,9 @@ class DemoConfig:
     max_new_tokens: int = 96
     max_seq_len: int = 320  # prompt + response; longer ShareGPT prompts are skipped (prefill dominates)
     num_taps: int = 3
+    distill_actors: int = 2  # one target per CPU core
     # 2. train
-    train_steps: int = 120
+    train_steps: int = 300
     block_size: int = 8
     num_anchors: int = 32
     lr: float = 1e-3
@@ -69,8 +70,8 @@ class DemoConfig:
         if self.max_seq_len <= self.max_new_tokens:
             raise ValueError(f"max_seq_len {self.max_seq_len} leaves no room for a prompt before "
                              f"max_new_tokens {self.max_new_tokens}")
-        for name in ("samples", "max_new_tokens", "num_taps", "train_steps", "num_anchors", "bench_prompts",
-                     "bench_max_new_tokens", "serve_max_tokens"):
+        for name in ("samples", "max_new_tokens", "num_taps", "distill_actors", "train_steps", "num_anchors",
+                     "bench_prompts", "bench_max_new_tokens", "serve_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.temperatures:
@@ -108,8 +109,9 @@ def distill(cfg: DemoConfig, out: Path) -> dict:
 
     return run_distill(DistillConfig(target=cfg.target, source="sharegpt", split="train", limit=cfg.samples,
                                      max_new_tokens=cfg.max_new_tokens, max_seq_len=cfg.max_seq_len, max_turns=1,
-                                     num_taps=cfg.num_taps,
-                                     shard_size=16, output_dir=str(out / "distill")))
+                                     num_taps=cfg.num_taps, num_actors=cfg.distill_actors,
+                                     shard_size=max(1, min(16, cfg.samples // (2 * cfg.distill_actors))),
+                                     output_dir=str(out / "distill")))
 
 
 def train(cfg: DemoConfig, out: Path) -> dict:

@@ -228,7 +228,8 @@ def test_ray_job_submit_distill_against_a_local_head(tmp_path):
 
 @pytest.mark.slow
 def test_demo_pipeline_at_reduced_size(ray_session, tmp_path, capsys):
-    cfg = DemoConfig(output_dir=str(tmp_path / "demo"), samples=4, max_new_tokens=16, num_taps=2, train_steps=3,
+    cfg = DemoConfig(output_dir=str(tmp_path / "demo"), samples=4, max_new_tokens=16, num_taps=2, distill_actors=1,
+                     train_steps=3,
                      block_size=4, num_anchors=4, bench_prompts=2, bench_max_new_tokens=8, fp32_check_prompts=1,
                      serve_max_tokens=6)
     summary = run_demo(cfg)
