@@ -80,12 +80,16 @@ def test_values_are_checked_against_the_dataclass_and_errors_name_the_key():
 def test_every_shipped_config_loads_and_opens_with_its_command():
     from serve.config import load_serve_config
 
+    import yaml
+
     stages = {"distill": DistillConfig, "train": TrainConfig, "demo": DemoConfig}
-    for path in sorted((REPO / "jobs/configs").glob("*.yaml")):
-        stage = path.stem.split("_")[0]
+    paths = sorted((REPO / "jobs/configs").rglob("*.yaml"))
+    assert len(paths) >= 7
+    for path in paths:
+        stage = yaml.safe_load(path.read_text())["stage"]
         cfg = load_config(stages[stage], path)
         assert type(cfg) is stages[stage]
-        assert f"dflash {stage} --config jobs/configs/{path.name}" in path.read_text(), path
+        assert f"dflash {stage} --config {path.relative_to(REPO)}" in path.read_text(), path
     assert load_serve_config(REPO / "serve/config.yaml").target == "default"
     demo = load_config(DemoConfig, REPO / "jobs/configs/demo.yaml")
     assert demo == DemoConfig(), "demo.yaml and DemoConfig's defaults tell the same story"

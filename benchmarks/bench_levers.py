@@ -1,0 +1,188 @@
+"""Training levers side by side at equal optimizer steps: held-out loss, per-position
+accuracy and the tau they imply, on the same distilled data, in one process.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_levers.py --data outputs/ref/distill \
+        --steps 300 --variants base,rms,target,zero,lr3e-3 --json levers.json
+
+Each variant trains a fresh drafter with the dflash/ objective (the same code Ray Train
+runs, without Ray) on every shard but the last, and is scored every --eval-every steps on
+the first --eval-rows rows of the last shard with fixed anchors (loss over the draft
+vocabulary, top-1 accuracy per block position over all labels). One thread, bf16 by
+default: the fast path on these CPUs. A lever that wins here is then confirmed by the
+true tau of `dflash train ... eval_every=` (speculative decoding of held-out prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS = {  # name -> changes to the base recipe
+    "base": {},
+    "rms": {"tap_scaling": "rms"},
+    "target": {"init": "target"},
+    "zero": {"init": "zero_output"},
+    "rms+target": {"tap_scaling": "rms", "init": "target"},
+    "lr3e-3": {"lr": 3e-3},
+    "lr3e-4": {"lr": 3e-4},
+    "anchors128": {"num_anchors": 128},
+    "block16": {"block_size": 16},
+    "vocab4096": {"draft_vocab_size": 4096},
+    "layers2": {"num_draft_layers": 2},
+}
+BASE = {"lr": 1e-3, "init": "random", "tap_scaling": "none", "num_anchors": 64, "block_size": 8,
+        "draft_vocab_size": 8192, "num_draft_layers": 1, "warmup": 20}
+
+
+def load_rows(files, max_rows=None):
+    import pyarrow.parquet as pq
+
+    from dflash.data import hidden_arrays
+
+    rows = []
+    for f in files:
+        t = pq.read_table(f)
+        for ids, mask, h in zip(t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist(), hidden_arrays(t)):
+            rows.append((torch.tensor(ids), torch.tensor(mask, dtype=torch.bool), torch.from_numpy(h.copy())))
+            if max_rows and len(rows) >= max_rows:
+                return rows
+    return rows
+
+
+def batch_of(rows):
+    t = max(len(r[0]) for r in rows)
+    ids = torch.zeros(len(rows), t, dtype=torch.long)
+    mask = torch.zeros(len(rows), t, dtype=torch.bool)
+    valid = torch.zeros(len(rows), t, dtype=torch.bool)
+    taps = torch.zeros(len(rows), t, rows[0][2].shape[1], dtype=torch.float16)
+    for i, (a, m, h) in enumerate(rows):
+        ids[i, : len(a)], mask[i, : len(a)], valid[i, : len(a)], taps[i, : len(a)] = a, m, True, h
+    return ids, mask, valid, taps
+
+
+def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_counts, steps, eval_every, micro, seed):
+    from dflash.config import DrafterConfig
+    from dflash.drafter import DFlashDrafter, OutputHead
+    from dflash.objective import dflash_loss, implied_tau
+    from dflash.target import choose_mask_token_id
+    from pipelines.train import TrainConfig, fold_tap_scale, init_from_target, tap_rms_scale, warmup_cosine
+    from pipelines.train_data import most_frequent_tokens
+
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), recipe["num_draft_layers"],
+                                   recipe["block_size"], list(layer_ids), draft_vocab_size=recipe["draft_vocab_size"])
+    drafter = DFlashDrafter(cfg)
+    if recipe["init"] == "zero_output":
+        drafter.reset_parameters(zero_output=True)
+    elif recipe["init"] == "target":
+        init_from_target(drafter, target)
+    if cfg.draft_vocab_size:
+        drafter.set_draft_vocab(most_frequent_tokens(vocab_counts, cfg.draft_vocab_size))
+    drafter = drafter.to(target.dtype)
+    scale = None
+    if recipe["tap_scaling"] == "rms":
+        scale = torch.tensor(recipe["_tap_scale"])
+    opt = torch.optim.AdamW([p for p in drafter.parameters()], lr=recipe["lr"], weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, recipe["warmup"] / steps))
+    head = OutputHead(target.model.lm_head.weight, drafter.draft_vocab)
+    g = torch.Generator().manual_seed(seed)
+    eval_batch = batch_of(eval_rows)
+    eval_anchors = None
+    history, t0 = [], time.perf_counter()
+
+    def scaled(taps):
+        return taps.to(target.dtype) if scale is None else (taps.float() * scale).to(target.dtype)
+
+    def evaluate(step):
+        nonlocal eval_anchors
+        from dflash.masks import sample_anchors
+
+        ids, mask, valid, taps = eval_batch
+        if eval_anchors is None:
+            eval_anchors = sample_anchors(mask & valid, 64, torch.Generator().manual_seed(1234))
+        drafter.eval()
+        with torch.no_grad():
+            out = dflash_loss(drafter, target.embed, head.logits, ids, mask, scaled(taps), valid,
+                              anchors=eval_anchors, label_index=head.index)
+        drafter.train()
+        acc = out.accuracy.tolist()
+        row = {"step": step, "eval_loss": round(float(out.loss), 4), "eval_accuracy": [round(a, 4) for a in acc],
+               "eval_implied_tau": round(implied_tau(acc), 4), "seconds": round(time.perf_counter() - t0, 1)}
+        history.append(row)
+        print(f"  [{name}] step {step}: eval loss {row['eval_loss']:.3f} implied tau {row['eval_implied_tau']:.3f} "
+              f"acc1 {acc[0]:.3f} ({row['seconds']:.0f} s)", flush=True)
+
+    drafter.train()
+    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    pos = 0
+    for step in range(1, steps + 1):
+        if pos + micro > len(order):
+            order, pos = torch.randperm(len(train_rows), generator=g).tolist(), 0
+        ids, mask, valid, taps = batch_of([train_rows[i] for i in order[pos: pos + micro]])
+        pos += micro
+        out = dflash_loss(drafter, target.embed, head.logits, ids, mask, scaled(taps), valid,
+                          num_anchors=recipe["num_anchors"], generator=g, label_index=head.index)
+        opt.zero_grad()
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % eval_every == 0 or step == steps:
+            evaluate(step)
+    if scale is not None:
+        fold_tap_scale(drafter, scale)
+    return history
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", required=True, help="a `dflash distill` output directory with taps")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-rows", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--variants", default="base,rms,target,zero")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from dflash.data import read_dataset_metadata, shard_files
+    from dflash.target import load_target
+    from pipelines.train import tap_rms_scale
+    from pipelines.train_data import DataInfo, response_token_counts
+
+    files = shard_files(args.data)
+    if len(files) < 2:
+        raise SystemExit(f"{args.data}: need at least two shards (train on all but the last, score on the last)")
+    meta = read_dataset_metadata(args.data)
+    target = load_target("default", dtype=args.dtype)
+    train_rows, eval_rows = load_rows(files[:-1]), load_rows(files[-1:], args.eval_rows)
+    counts = response_token_counts(DataInfo(tuple(map(str, files[:-1])), len(train_rows), meta), target.vocab_size)
+    tap_scale = tap_rms_scale(files[:-1])
+    print(f"{len(train_rows)} training rows ({int(counts.sum())} response tokens), {len(eval_rows)} held-out rows, "
+          f"taps {list(meta.target_layer_ids)}, {args.dtype}, {args.threads} thread(s)", flush=True)
+    results = {}
+    for name in args.variants.split(","):
+        recipe = BASE | VARIANTS[name] | {"_tap_scale": tap_scale}
+        print(f"{name}: {VARIANTS[name] or 'the base recipe'}", flush=True)
+        results[name] = run_variant(name, recipe, target, train_rows, eval_rows, meta.target_layer_ids, counts,
+                                    args.steps, args.eval_every, args.micro_batch, args.seed)
+    print(f"\n| variant | eval loss | implied tau | acc k=1 | acc k=2 | acc k=3 | seconds |\n|---|---|---|---|---|---|---|")
+    for name, hist in results.items():
+        last = hist[-1]
+        a = last["eval_accuracy"]
+        print(f"| {name} | {last['eval_loss']:.3f} | {last['eval_implied_tau']:.3f} | {a[0]:.3f} | {a[1]:.3f} | "
+              f"{a[2]:.3f} | {last['seconds']:.0f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"base": BASE, "steps": args.steps, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
