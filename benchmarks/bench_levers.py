@@ -69,7 +69,7 @@ def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_co
     from dflash.drafter import DFlashDrafter, OutputHead
     from dflash.objective import dflash_loss, implied_tau
     from dflash.target import choose_mask_token_id
-    from pipelines.train import TrainConfig, fold_tap_scale, init_from_target, tap_rms_scale, warmup_cosine
+    from pipelines.train import init_from_target, warmup_cosine
     from pipelines.train_data import most_frequent_tokens
 
     torch.manual_seed(seed)
@@ -133,8 +133,6 @@ def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_co
         sched.step()
         if step % eval_every == 0 or step == steps:
             evaluate(step)
-    if scale is not None:
-        fold_tap_scale(drafter, scale)
     return history
 
 

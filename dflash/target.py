@@ -179,7 +179,10 @@ class Target:
         return self.model.get_input_embeddings()(input_ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden.to(self.dtype))
+        """Logits (..., V) in the target's dtype. A 2D product: a sliced 3D input can send
+        CPU bf16 linear down a bmm path that copies the whole (V, D) weight per call."""
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(self.dtype)
+        return self.model.lm_head(flat).view(*hidden.shape[:-1], -1)
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
         """Token ids of a conversation through the target's own chat template."""
@@ -219,8 +222,7 @@ class Target:
         hidden = out.last_hidden_state
         if logits_slice is not None:
             hidden = hidden[:, logits_slice]
-        # a 2D product: a sliced 3D input can send CPU bf16 linear down a slow bmm path
-        logits = self.model.lm_head(hidden.reshape(-1, hidden.shape[-1])).float().view(*hidden.shape[:-1], -1)
+        logits = self.lm_head(hidden).float()
         taps = None
         if tap_layer_ids is not None:
             taps = torch.cat([out.hidden_states[l + 1] for l in tap_layer_ids], dim=-1)

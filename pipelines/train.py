@@ -154,12 +154,15 @@ class DrafterObjective(nn.Module):
         self.num_anchors, self.gamma = cfg.num_anchors, cfg.gamma
         # a buffer, so it travels in every checkpoint and export can fold it into fc
         self.register_buffer("tap_scale", torch.tensor(tap_scale, dtype=torch.float32) if tap_scale else None)
+        self._head = None  # OutputHead, built on first use (the draft vocabulary is fixed by then)
 
     def forward(self, input_ids, loss_mask, taps, valid, generator):
         target = self._target[0]
         if self.tap_scale is not None:
             taps = taps.float() * self.tap_scale
-        head = OutputHead(target.model.lm_head.weight, self.drafter.draft_vocab)
+        if self._head is None:
+            self._head = OutputHead(target.model.lm_head.weight, self.drafter.draft_vocab)
+        head = self._head
         return dflash_loss(self.drafter, target.embed, head.logits, input_ids, loss_mask, taps, valid,
                            num_anchors=self.num_anchors, gamma=self.gamma, generator=generator,
                            label_index=head.index)
