@@ -20,10 +20,19 @@ from dflash.target import parse_dtype
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# Reference drafters shipped inside the package, one directory per target id.
+REFERENCE_DRAFTERS = Path(__file__).parent / "drafters"
 
 
 class CheckpointError(ValueError):
     """A drafter directory that cannot be used, with the reason."""
+
+
+def reference_drafter_dir(target_id: str) -> Path | None:
+    """The shipped reference drafter for `target_id` ("default:SmolLM2-135M-Instruct" or
+    a model directory's name), or None when none ships for it."""
+    path = REFERENCE_DRAFTERS / target_id.rsplit(":", 1)[-1]
+    return path if (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file() else None
 
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: str | torch.dtype = "bf16",

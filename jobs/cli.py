@@ -44,10 +44,11 @@ def _load_target(args):
 
 
 def _load_drafter(spec: str | None, target, args):
-    """None -> no drafter (plain AR); 'random' -> a fresh drafter for this target; else a directory."""
+    """None -> no drafter (plain AR); 'default' -> the reference drafter shipped for this
+    target; 'random' -> a fresh drafter for this target; else a directory."""
     import torch
 
-    from dflash.checkpoint import CheckpointError, load_drafter
+    from dflash.checkpoint import CheckpointError, load_drafter, reference_drafter_dir
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter
     from dflash.target import choose_mask_token_id, parse_dtype
@@ -59,6 +60,12 @@ def _load_drafter(spec: str | None, target, args):
         cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), num_taps=3,
                                        target_id=target.target_id)
         return DFlashDrafter(cfg).to(device=target.device, dtype=parse_dtype(args.dtype)).eval()
+    if spec == "default":
+        ref = reference_drafter_dir(target.target_id)
+        if ref is None:
+            raise UserError(f"no reference drafter ships for target {target.target_id}; "
+                            "pass a drafter directory or 'random'")
+        spec = str(ref)
     if not Path(spec).exists():
         raise UserError(f"drafter directory not found: {spec}")
     try:
@@ -238,7 +245,8 @@ def cmd_export(args) -> int:
 
 def _target_flags(p):
     p.add_argument("--target", default="default", help="'default', a Hugging Face model dir or a .gguf file")
-    p.add_argument("--drafter", default=None, help="drafter directory, or 'random' (default for bench)")
+    p.add_argument("--drafter", default=None,
+                   help="drafter directory, 'default' (the shipped reference drafter) or 'random' (default for bench)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -118,6 +118,7 @@ def test_cli_bad_input_is_one_line_nonzero_and_overwrites_nothing(capsys, tmp_pa
         (["bench", "--dataset", "no-such-set"], "bench", "unknown dataset 'no-such-set'"),
         (["generate", "--prompt", "hi", "--drafter", str(tmp_path / "nodrafter")], "generate",
          "drafter directory not found"),
+        (["generate", "--prompt", "hi", "--drafter", "default"], "generate", "no reference drafter ships for target"),
         (["serve", f"drafter={tmp_path / 'nodrafter'}"], "serve", "drafter directory not found"),
         (["export", str(tmp_path / "norun"), str(tmp_path / "x")], "export", "no training checkpoint"),
         (["train", f"data={tmp_path / 'nodata'}", f"output_dir={tmp_path / 'o'}"], "train", "data directory not found"),
