@@ -35,6 +35,20 @@ def reference_drafter_dir(target_id: str) -> Path | None:
     return path if (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file() else None
 
 
+def resolve_drafter(spec: str | None, target_id: str) -> Path | None:
+    """A drafter spec as users write it -> the directory to load, or None for plain
+    autoregressive decoding. None/""/"none": no drafter; "default": the reference drafter
+    shipped for `target_id` (CheckpointError when none ships); anything else: a directory."""
+    if spec in (None, "", "none"):
+        return None
+    if spec == "default":
+        ref = reference_drafter_dir(target_id)
+        if ref is None:
+            raise CheckpointError(f"no reference drafter ships for target {target_id}; pass a drafter directory")
+        return ref
+    return Path(spec).expanduser()
+
+
 def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: str | torch.dtype = "bf16",
                  extra_files: dict[str, str] | None = None) -> Path:
     """Write config.json + model.safetensors (weights cast to `dtype`)."""

@@ -48,28 +48,26 @@ def _load_drafter(spec: str | None, target, args):
     target; 'random' -> a fresh drafter for this target; else a directory."""
     import torch
 
-    from dflash.checkpoint import CheckpointError, load_drafter, reference_drafter_dir
+    from dflash.checkpoint import CheckpointError, load_drafter, resolve_drafter
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter
     from dflash.target import choose_mask_token_id, parse_dtype
 
-    if spec in (None, "", "none"):
-        return None
     if spec == "random":
         torch.manual_seed(args.seed)
         cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), num_taps=3,
                                        target_id=target.target_id)
         return DFlashDrafter(cfg).to(device=target.device, dtype=parse_dtype(args.dtype)).eval()
-    if spec == "default":
-        ref = reference_drafter_dir(target.target_id)
-        if ref is None:
-            raise UserError(f"no reference drafter ships for target {target.target_id}; "
-                            "pass a drafter directory or 'random'")
-        spec = str(ref)
-    if not Path(spec).exists():
+    try:
+        path = resolve_drafter(spec, target.target_id)
+    except CheckpointError as e:
+        raise UserError(f"{e} or 'random'") from e
+    if path is None:
+        return None
+    if not path.exists():
         raise UserError(f"drafter directory not found: {spec}")
     try:
-        return load_drafter(spec, target=target, device=target.device, dtype=args.dtype)
+        return load_drafter(path, target=target, device=target.device, dtype=args.dtype)
     except CheckpointError as e:
         raise UserError(str(e)) from e
 

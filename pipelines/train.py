@@ -531,6 +531,19 @@ def _init_ray(cfg: TrainConfig):
     return ray
 
 
+def check_cpu_budget(cfg: TrainConfig, cluster_cpus: float) -> None:
+    """Ray Train hands Ray Data only the CPUs its workers leave over. When the workers fit
+    but leave less than one CPU, the parquet read never gets scheduled and the run hangs
+    silently (e.g. 2 workers x 1 CPU on a 2-CPU machine), so refuse that up front. A
+    cluster too small for the workers is left alone: Ray Train waits for autoscaling."""
+    needed = cfg.num_workers * cfg.cpus_per_worker
+    if needed <= cluster_cpus < needed + 1:
+        raise ValueError(
+            f"{cfg.num_workers} workers x {cfg.cpus_per_worker:g} CPU leave {cluster_cpus - needed:g} of the "
+            f"cluster's {cluster_cpus:g} CPUs for Ray Data's parquet reads, which need 1; lower "
+            f"cpus_per_worker (e.g. to {max(0.1, (cluster_cpus - 1) / cfg.num_workers):.2g}) or num_workers")
+
+
 def ordered_ingest():
     """Rows reach the workers in file order, so the same data and seed give the same
     micro-batches (and losses) run after run and in both modes; shuffling is local and
@@ -549,8 +562,9 @@ def run_train(cfg: TrainConfig) -> dict:
 
     t0 = time.perf_counter()
     plan, data = plan_run(cfg)
+    ray = _init_ray(cfg)
+    check_cpu_budget(cfg, ray.cluster_resources().get("CPU", 0.0))
     claim_run_dir(cfg)
-    _init_ray(cfg)
     env = {"OMP_NUM_THREADS": str(max(1, int(cfg.cpus_per_worker))), "TOKENIZERS_PARALLELISM": "false"}
     if not cfg.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"

@@ -153,7 +153,7 @@ class DFlashServer:
     def __init__(self, cfg: ServeConfig):
         import torch
 
-        from dflash.checkpoint import load_drafter
+        from dflash.checkpoint import load_drafter, resolve_drafter
         from dflash.decoding import SpeculativeDecoder
         from dflash.target import load_target
 
@@ -162,8 +162,9 @@ class DFlashServer:
         self.api_keys = load_api_keys(cfg)
         self.target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
         drafter = None
-        if cfg.drafter:  # CheckpointError names the mismatch: the replica refuses to start
-            drafter = load_drafter(cfg.drafter, target=self.target, device=cfg.device, dtype=cfg.dtype)
+        path = resolve_drafter(cfg.drafter, self.target.target_id)
+        if path is not None:  # CheckpointError names the mismatch: the replica refuses to start
+            drafter = load_drafter(path, target=self.target, device=cfg.device, dtype=cfg.dtype)
         decoder = SpeculativeDecoder(self.target, drafter, verify=cfg.verify)
         self.metrics = ReplicaMetrics(decoder.block_size)
         self.engine = BatchingEngine(decoder, cfg.max_batch_size, cfg.max_context_tokens, self.metrics.on_step)
@@ -325,26 +326,27 @@ def check_drafter_fits(cfg: ServeConfig) -> None:
     Reads only the two config.json files. Skipped when either is not on this machine (on a
     cluster they may live only on the workers); each replica checks again when it loads.
     """
-    if not cfg.drafter or not Path(cfg.drafter).expanduser().exists():
+    if cfg.drafter in (None, "", "none") or (cfg.drafter != "default" and not Path(cfg.drafter).expanduser().exists()):
         return
     from transformers import AutoConfig
 
-    from dflash.checkpoint import CheckpointError, read_drafter_config
+    from dflash.checkpoint import CheckpointError, read_drafter_config, resolve_drafter
     from dflash.decoding import check_drafter_matches_target
     from dflash.target import resolve_target_dir
 
-    drafter_cfg = read_drafter_config(cfg.drafter)
     try:
         model_dir, target_id = resolve_target_dir(cfg.target)
     except (FileNotFoundError, ValueError):
         return
+    drafter_dir = resolve_drafter(cfg.drafter, target_id)  # "default" without a shipped one: refused
+    drafter_cfg = read_drafter_config(drafter_dir)
     tc = AutoConfig.from_pretrained(model_dir)
     shape = SimpleNamespace(hidden_size=tc.hidden_size, num_layers=tc.num_hidden_layers,
                             vocab_size=tc.vocab_size, target_id=target_id)
     try:
         check_drafter_matches_target(drafter_cfg, shape)
     except ValueError as e:
-        raise CheckpointError(f"{cfg.drafter}: {e}") from None
+        raise CheckpointError(f"{drafter_dir}: {e}") from None
 
 
 def build_app(cfg: ServeConfig) -> Application:

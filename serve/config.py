@@ -35,7 +35,7 @@ class ServeConfig:
 
     # the model pair
     target: str = "default"  # "default", a Hugging Face directory or a .gguf file
-    drafter: str | None = None  # drafter directory; None = plain autoregressive decoding
+    drafter: str | None = None  # a directory, "default" (the shipped reference drafter) or None (autoregressive)
     dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
     device: str = "cpu"  # "cpu" or "cuda"
     verify: Literal["rejection", "match"] = "rejection"
@@ -143,7 +143,8 @@ def run_serve(cfg: ServeConfig, ready: threading.Event | None = None, stop: thre
 
     from serve.app import build_app
 
-    if cfg.ray_address is None and cfg.drafter and not Path(cfg.drafter).expanduser().exists():
+    if cfg.ray_address is None and cfg.drafter not in (None, "", "none", "default") \
+            and not Path(cfg.drafter).expanduser().exists():
         # a local Ray: the replica would run here and fail to start on a missing drafter
         raise FileNotFoundError(f"drafter directory not found: {cfg.drafter}")
     stop = stop or threading.Event()

@@ -117,6 +117,10 @@ def test_drafter_for_another_target_is_refused(target_fp32, tmp_path):
                            num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     with pytest.raises(CheckpointError, match="hidden size 64 != target's 576"):
         build_app(ServeConfig(drafter=str(bad)))
+    # "default" names the reference drafter shipped for the target; a converted copy of the
+    # default target in its own directory is another target id, for which none ships
+    with pytest.raises(CheckpointError, match="no reference drafter ships for target hf:"):
+        build_app(ServeConfig(target=str(target_fp32.model.name_or_path), drafter="default"))
 
 
 def test_incremental_text_holds_back_partial_stop_strings(target_fp32):

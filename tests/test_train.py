@@ -22,7 +22,7 @@ from conftest import _RAY_TMP, start_local_ray
 from dflash.data import DataMismatchError, DatasetMetadata, build_table, sample_id, write_shard
 from dflash.decoding import SamplingParams, SpeculativeDecoder
 from jobs.config import ConfigError, load_config
-from pipelines.train import TrainConfig, export_run, plan_run, run_train, warmup_cosine
+from pipelines.train import TrainConfig, check_cpu_budget, export_run, plan_run, run_train, warmup_cosine
 from support import CHAT_PROMPTS, chat_prompt_ids, target_taps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,6 +198,17 @@ def test_mismatched_or_empty_data_is_refused_naming_the_mismatch(tmp_path, targe
     _refused(tmp_path, tmp_path / "missing", "not found")
     # more workers x micro-batch than rows
     _refused(tmp_path, data_dir, "too few", num_workers=2, micro_batch_size=8)
+
+
+def test_workers_that_leave_ray_data_no_cpu_are_refused_not_hung():
+    """2 x 1 CPU on a 2-CPU machine used to hang in the parquet read; it is refused with a fix."""
+    with pytest.raises(ValueError, match=r"leave 0 of the cluster's 2 CPUs .* cpus_per_worker \(e.g. to 0.5\)"):
+        check_cpu_budget(TrainConfig(num_workers=2, cpus_per_worker=1.0), 2.0)
+    with pytest.raises(ValueError, match="leave 0.2 of"):
+        check_cpu_budget(TrainConfig(num_workers=2, cpus_per_worker=0.9), 2.0)
+    check_cpu_budget(TrainConfig(num_workers=2, cpus_per_worker=0.5), 2.0)  # one CPU left for reads
+    check_cpu_budget(TrainConfig(num_workers=1, cpus_per_worker=1.0), 2.0)
+    check_cpu_budget(TrainConfig(num_workers=4, cpus_per_worker=1.0), 2.0)  # does not fit yet: autoscaling
 
 
 # --- real training runs -----------------------------------------------------------------------
