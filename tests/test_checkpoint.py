@@ -86,3 +86,27 @@ def test_not_a_drafter_directory(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="invalid JSON"):
         read_drafter_config(tmp_path)
+
+
+def test_shipped_reference_drafter_is_small_bf16_and_its_recipe_is_the_reference_config():
+    """The committed artifact is what `dflash train --config jobs/configs/reference/train.yaml`
+    writes: same step count and training values; bf16 safetensors well under 30 MB."""
+    from pathlib import Path
+
+    import yaml
+
+    from dflash.checkpoint import reference_drafter_dir
+
+    ref = reference_drafter_dir("default:SmolLM2-135M-Instruct")
+    assert ref is not None and ref.name == "SmolLM2-135M-Instruct"
+    assert (ref / "model.safetensors").stat().st_size < 30e6
+    assert json.loads((ref / "config.json").read_text())["dtype"] == "bfloat16"
+    assert all(t.dtype in (torch.bfloat16, torch.int64, torch.int32) for t in load_file(ref / "model.safetensors").values())
+    trained = json.loads((ref / "training.json").read_text())
+    recipe = yaml.safe_load((Path(__file__).parents[1] / "jobs/configs/reference/train.yaml").read_text())
+    assert trained["step"] == recipe["max_steps"]
+    for key, value in recipe.items():
+        if key not in ("stage", "target"):
+            assert trained["train_config"][key] == value, key
+    log = [json.loads(line) for line in (ref / "training_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == recipe["max_steps"] and "eval_tau" in log[-1]
