@@ -107,7 +107,8 @@ def test_a_config_for_another_stage_and_a_missing_file_are_refused(tmp_path):
 
 # --- the command line's answers to bad input -----------------------------------------------
 
-def test_cli_bad_input_is_one_line_nonzero_and_overwrites_nothing(capsys, tmp_path):
+def test_cli_bad_input_is_one_line_nonzero_and_overwrites_nothing(capsys, tmp_path, target_fp32):
+    other_target = str(target_fp32.model.name_or_path)  # the converted default as a plain HF dir: another id
     cases = [
         (["train", "--config", str(tmp_path / "missing.yaml")], "train", "config file not found"),
         (["train", "--config", "jobs/configs/distill.yaml"], "train", "config for stage 'distill', not 'train'"),
@@ -118,7 +119,8 @@ def test_cli_bad_input_is_one_line_nonzero_and_overwrites_nothing(capsys, tmp_pa
         (["bench", "--dataset", "no-such-set"], "bench", "unknown dataset 'no-such-set'"),
         (["generate", "--prompt", "hi", "--drafter", str(tmp_path / "nodrafter")], "generate",
          "drafter directory not found"),
-        (["generate", "--prompt", "hi", "--drafter", "default"], "generate", "no reference drafter ships for target"),
+        (["generate", "--prompt", "hi", "--target", other_target, "--drafter", "default"], "generate",
+         "no reference drafter ships for target hf:"),
         (["serve", f"drafter={tmp_path / 'nodrafter'}"], "serve", "drafter directory not found"),
         (["export", str(tmp_path / "norun"), str(tmp_path / "x")], "export", "no training checkpoint"),
         (["train", f"data={tmp_path / 'nodata'}", f"output_dir={tmp_path / 'o'}"], "train", "data directory not found"),
