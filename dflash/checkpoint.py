@@ -35,11 +35,19 @@ def reference_drafter_dir(target_id: str) -> Path | None:
     return path if (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file() else None
 
 
+NO_DRAFTER = (None, "", "none")  # drafter specs that mean plain autoregressive decoding
+
+
+def is_drafter_directory_spec(spec: str | None) -> bool:
+    """True when `spec` names a directory, i.e. is neither "no drafter" nor "default"."""
+    return spec not in NO_DRAFTER and spec != "default"
+
+
 def resolve_drafter(spec: str | None, target_id: str) -> Path | None:
     """A drafter spec as users write it -> the directory to load, or None for plain
     autoregressive decoding. None/""/"none": no drafter; "default": the reference drafter
     shipped for `target_id` (CheckpointError when none ships); anything else: a directory."""
-    if spec in (None, "", "none"):
+    if spec in NO_DRAFTER:
         return None
     if spec == "default":
         ref = reference_drafter_dir(target_id)

@@ -326,11 +326,13 @@ def check_drafter_fits(cfg: ServeConfig) -> None:
     Reads only the two config.json files. Skipped when either is not on this machine (on a
     cluster they may live only on the workers); each replica checks again when it loads.
     """
-    if cfg.drafter in (None, "", "none") or (cfg.drafter != "default" and not Path(cfg.drafter).expanduser().exists()):
+    from dflash.checkpoint import NO_DRAFTER, CheckpointError, is_drafter_directory_spec, read_drafter_config, \
+        resolve_drafter
+
+    if cfg.drafter in NO_DRAFTER or (is_drafter_directory_spec(cfg.drafter) and not Path(cfg.drafter).expanduser().exists()):
         return
     from transformers import AutoConfig
 
-    from dflash.checkpoint import CheckpointError, read_drafter_config, resolve_drafter
     from dflash.decoding import check_drafter_matches_target
     from dflash.target import resolve_target_dir
 

@@ -141,10 +141,10 @@ def run_serve(cfg: ServeConfig, ready: threading.Event | None = None, stop: thre
     import ray
     from ray import serve
 
+    from dflash.checkpoint import is_drafter_directory_spec
     from serve.app import build_app
 
-    if cfg.ray_address is None and cfg.drafter not in (None, "", "none", "default") \
-            and not Path(cfg.drafter).expanduser().exists():
+    if cfg.ray_address is None and is_drafter_directory_spec(cfg.drafter) and not Path(cfg.drafter).expanduser().exists():
         # a local Ray: the replica would run here and fail to start on a missing drafter
         raise FileNotFoundError(f"drafter directory not found: {cfg.drafter}")
     stop = stop or threading.Event()
