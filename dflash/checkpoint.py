@@ -36,22 +36,26 @@ def reference_drafter_dir(target_id: str) -> Path | None:
 
 
 NO_DRAFTER = (None, "", "none")  # drafter specs that mean plain autoregressive decoding
+NAMED_DRAFTERS = ("default", "auto")  # specs that name the shipped reference drafter
 
 
 def is_drafter_directory_spec(spec: str | None) -> bool:
-    """True when `spec` names a directory, i.e. is neither "no drafter" nor "default"."""
-    return spec not in NO_DRAFTER and spec != "default"
+    """True when `spec` names a directory, i.e. is neither "no drafter" nor default/auto."""
+    return spec not in NO_DRAFTER and spec not in NAMED_DRAFTERS
 
 
 def resolve_drafter(spec: str | None, target_id: str) -> Path | None:
     """A drafter spec as users write it -> the directory to load, or None for plain
-    autoregressive decoding. None/""/"none": no drafter; "default": the reference drafter
-    shipped for `target_id` (CheckpointError when none ships); anything else: a directory."""
+    autoregressive decoding.
+
+    None/""/"none": no drafter. "default": the reference drafter shipped for `target_id`
+    (CheckpointError when none ships). "auto": that drafter when one ships, else None, so a
+    default that names it still works on every target. Anything else: a directory."""
     if spec in NO_DRAFTER:
         return None
-    if spec == "default":
+    if spec in NAMED_DRAFTERS:
         ref = reference_drafter_dir(target_id)
-        if ref is None:
+        if ref is None and spec == "default":
             raise CheckpointError(f"no reference drafter ships for target {target_id}; pass a drafter directory")
         return ref
     return Path(spec).expanduser()

@@ -66,6 +66,9 @@ class DrafterConfig:
     # training data, ids in the `draft_vocab` buffer); 0: the whole target vocabulary.
     # Lossless either way: the target verifies every drafted token.
     draft_vocab_size: int = 0
+    # the block size decoding uses unless told otherwise; 0: block_size. A drafter trained
+    # at B may decode at a smaller block: at low acceptance a shorter verify pays off
+    decode_block_size: int = 0
     # informational: which target this drafter was built for (id + weights hash)
     target_id: str = ""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -86,6 +89,9 @@ class DrafterConfig:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside vocabulary of {self.vocab_size}")
         if self.draft_vocab_size and not 2 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be 0 (all) or in 2..{self.vocab_size}, got {self.draft_vocab_size}")
+        if self.decode_block_size and not 2 <= self.decode_block_size <= self.block_size:
+            raise ValueError(f"decode_block_size must be 0 (= block_size) or in 2..{self.block_size}, "
+                             f"got {self.decode_block_size}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         object.__setattr__(self, "target_layer_ids", tuple(int(l) for l in self.target_layer_ids))
@@ -112,6 +118,7 @@ class DrafterConfig:
         num_taps: int = 5,
         target_id: str = "",
         draft_vocab_size: int = 0,
+        decode_block_size: int = 0,
     ) -> "DrafterConfig":
         """Copy the layer shape from a transformers config of the target."""
         n_layers = target_config.num_hidden_layers
@@ -137,6 +144,7 @@ class DrafterConfig:
             max_position_embeddings=getattr(target_config, "max_position_embeddings", 8192),
             target_id=target_id,
             draft_vocab_size=draft_vocab_size,
+            decode_block_size=decode_block_size,
         )
 
     # --- public DFlash drafter layout (config.json) -----------------------------------
@@ -145,7 +153,8 @@ class DrafterConfig:
 
         A restricted draft vocabulary (draft_vocab_size > 0) is our extension: it adds
         dflash_config.draft_vocab_size and a `draft_vocab` index tensor to the weights,
-        which loaders of the public layout do not know."""
+        which loaders of the public layout do not know. decode_block_size lives in our own
+        `dflash_ray` section: other loaders decode at block_size."""
         dflash_config = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
         if self.draft_vocab_size:
             dflash_config["draft_vocab_size"] = self.draft_vocab_size
@@ -172,7 +181,9 @@ class DrafterConfig:
             "tie_word_embeddings": False,
             "use_sliding_window": False,
             "vocab_size": self.vocab_size,
-            "dflash_ray": {"target_id": self.target_id, **self.extra},
+            "dflash_ray": {"target_id": self.target_id,
+                           **({"decode_block_size": self.decode_block_size} if self.decode_block_size else {}),
+                           **self.extra},
         }
 
     @classmethod
@@ -185,6 +196,7 @@ class DrafterConfig:
         heads = d.get("num_attention_heads", 1)
         ours = dict(d.get("dflash_ray") or {})
         target_id = ours.pop("target_id", "")
+        decode_block_size = ours.pop("decode_block_size", 0)
         rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         return cls(
             hidden_size=d["hidden_size"],
@@ -204,6 +216,7 @@ class DrafterConfig:
             hidden_act=d.get("hidden_act", "silu"),
             attention_bias=d.get("attention_bias", False),
             draft_vocab_size=dc.get("draft_vocab_size", 0),
+            decode_block_size=decode_block_size,
             target_id=target_id,
             extra=ours,
         )

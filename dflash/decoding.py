@@ -210,7 +210,8 @@ class SpeculativeDecoder:
     """Target (+ optional DFlash drafter) -> batched lossless decoding.
 
     verify: "rejection" (default; accepts more at T > 0) or "match"; greedy requests are
-    exact under either. block_size defaults to the drafter's; 1 without a drafter.
+    exact under either. block_size defaults to the drafter's decode_block_size (its training
+    block size unless its config says otherwise); 1 without a drafter.
     """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None,
@@ -225,7 +226,7 @@ class SpeculativeDecoder:
         else:
             cfg = drafter.config
             check_drafter_matches_target(cfg, target)
-            self.block_size = block_size or cfg.block_size
+            self.block_size = block_size or cfg.decode_block_size or cfg.block_size
             if self.block_size < 2:
                 raise ValueError("a drafter needs block_size >= 2")
             self.tap_ids = cfg.target_layer_ids

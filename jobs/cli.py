@@ -1,7 +1,7 @@
 """The `dflash` command line: one console script, a subcommand per stage.
 
-    dflash generate --target default --drafter DIR|random --prompt TEXT [--chat] [--json]
-    dflash bench    --target default --drafter DIR|random --dataset mt-bench --json OUT.json
+    dflash generate --target default [--drafter DIR|default|none|random] --prompt TEXT [--chat] [--json]
+    dflash bench    --target default [--drafter DIR|default|random] --dataset mt-bench --json OUT.json
     dflash distill  --config jobs/configs/distill.yaml [key=value ...]
     dflash train    --config jobs/configs/train.yaml [key=value ...]
     dflash export   RUN_DIR OUT_DIR
@@ -43,31 +43,38 @@ def _load_target(args):
         raise UserError(str(e)) from e
 
 
-def _load_drafter(spec: str | None, target, args):
-    """None -> no drafter (plain AR); 'default' -> the reference drafter shipped for this
-    target; 'random' -> a fresh drafter for this target; else a directory."""
+def _load_drafter(spec: str | None, target, args, fallback: str | None = None):
+    """-> (drafter or None, what it is: a directory, 'random' or None).
+
+    None/'none' -> no drafter (plain AR); 'default' -> the reference drafter shipped for
+    this target; 'auto' -> that one when it ships, else `fallback`; 'random' -> a fresh
+    drafter for this target; else a directory."""
     import torch
 
-    from dflash.checkpoint import CheckpointError, load_drafter, resolve_drafter
+    from dflash.checkpoint import CheckpointError, load_drafter, reference_drafter_dir, resolve_drafter
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter
     from dflash.target import choose_mask_token_id, parse_dtype
 
+    if spec == "auto" and reference_drafter_dir(target.target_id) is None:
+        print(f"[dflash] no reference drafter ships for {target.target_id}: using "
+              f"{fallback or 'no drafter (autoregressive)'}", file=sys.stderr)
+        spec = fallback
     if spec == "random":
         torch.manual_seed(args.seed)
         cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), num_taps=3,
                                        target_id=target.target_id)
-        return DFlashDrafter(cfg).to(device=target.device, dtype=parse_dtype(args.dtype)).eval()
+        return DFlashDrafter(cfg).to(device=target.device, dtype=parse_dtype(args.dtype)).eval(), "random"
     try:
         path = resolve_drafter(spec, target.target_id)
     except CheckpointError as e:
         raise UserError(f"{e} or 'random'") from e
     if path is None:
-        return None
+        return None, None
     if not path.exists():
         raise UserError(f"drafter directory not found: {spec}")
     try:
-        return load_drafter(path, target=target, device=target.device, dtype=args.dtype)
+        return load_drafter(path, target=target, device=target.device, dtype=args.dtype), str(path)
     except CheckpointError as e:
         raise UserError(str(e)) from e
 
@@ -92,7 +99,7 @@ def cmd_generate(args) -> int:
 
     _set_threads(args.threads)
     target = _load_target(args)
-    drafter = _load_drafter(args.drafter, target, args)
+    drafter, drafter_name = _load_drafter(args.drafter, target, args)
     ids = _prompt_ids(target, args.prompt, args.chat)
     if not ids:
         raise UserError("the prompt is empty after tokenization")
@@ -105,7 +112,7 @@ def cmd_generate(args) -> int:
     text = target.tokenizer.decode(req.output_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"prompt_token_ids": ids, "token_ids": req.output_ids, "text": text,
-                          "finish_reason": req.finish_reason, "drafter": args.drafter or None,
+                          "finish_reason": req.finish_reason, "drafter": drafter_name,
                           "stats": req.stats.to_dict()}))
     else:
         print(text)
@@ -155,7 +162,9 @@ def cmd_bench(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from e
     target = _load_target(args)
-    drafter = _load_drafter(args.drafter or "random", target, args)
+    drafter, drafter_name = _load_drafter(args.drafter, target, args, fallback="random")
+    if drafter is None:
+        raise UserError("bench compares DFlash with AR: it needs a drafter (a directory, 'default' or 'random')")
     results = []
     for name, convs in sets:
         convs = convs[: args.limit] if args.limit else convs
@@ -173,7 +182,7 @@ def cmd_bench(args) -> int:
                               block_size=args.block_size)
             except ValueError as e:  # e.g. a prompt longer than the target's context
                 raise UserError(f"{name}: {e}") from e
-            results.append({"dataset": name, "target": target.target_id, "drafter": args.drafter or "random", **r})
+            results.append({"dataset": name, "target": target.target_id, "drafter": drafter_name, **r})
     table = markdown_table(results)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -243,8 +252,10 @@ def cmd_export(args) -> int:
 
 def _target_flags(p):
     p.add_argument("--target", default="default", help="'default', a Hugging Face model dir or a .gguf file")
-    p.add_argument("--drafter", default=None,
-                   help="drafter directory, 'default' (the shipped reference drafter) or 'random' (default for bench)")
+    p.add_argument("--drafter", default="auto",
+                   help="a drafter directory; 'default': the reference drafter shipped for the target; "
+                        "'none': plain autoregressive; 'random': an untrained one. Default 'auto': the "
+                        "shipped one if the target has one, else none (generate) or random (bench)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -253,7 +264,7 @@ def _target_flags(p):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verify", default="rejection", choices=["rejection", "match"],
                    help="lossless rule at temperature > 0")
-    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
+    p.add_argument("--block-size", type=int, default=None, help="override the drafter's decode block size")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -261,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("generate", help="decode one prompt (AR without --drafter)")
+    p = sub.add_parser("generate", help="decode one prompt (with the target's reference drafter when one ships)")
     _target_flags(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="apply the target's chat template to one user message")

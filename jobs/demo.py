@@ -10,6 +10,9 @@
             outputs re-checked (bf16: argmax rule; fp32: token for token)  -> OUT/bench/
 4. serve    Ray Serve starts one target+drafter replica on 127.0.0.1 and answers one
             OpenAI chat request over real HTTP
+Stages 3 and 4 use `drafter`: "default" (the reference drafter shipped for the target,
+trained by this same pipeline at full size; a few hundred CPU steps cannot match it) or
+"trained" (the one stage 2 just made).
 Then it prints a summary (tau, speedup, lossless, where everything is) and writes it to
 OUT/summary.json; plots are PNGs in OUT/.
 
@@ -53,6 +56,8 @@ class DemoConfig:
     num_anchors: int = 32
     lr: float = 1e-3
     init: Literal["random", "target"] = "random"
+    # 3. bench and 4. serve: "default" (the shipped reference drafter) or "trained" (stage 2's)
+    drafter: Literal["default", "trained"] = "default"
     # 3. bench (bf16 is the fast path on AVX512-BF16 CPUs)
     dtype: Literal["bf16", "fp32"] = "bf16"
     bench_dataset: str = "mt-bench"
@@ -197,6 +202,12 @@ def run_demo(cfg: DemoConfig) -> dict:
     """All four stages; returns (and writes to OUT/summary.json) the summary."""
     import ray
 
+    drafter_dir = None
+    if cfg.drafter == "default":  # before any work: a target without a shipped drafter is refused
+        from dflash.checkpoint import resolve_drafter
+        from dflash.target import resolve_target_dir
+
+        drafter_dir = str(resolve_drafter("default", resolve_target_dir(cfg.target)[1]))
     out = claim_output_dir(cfg)
     started_ray = not ray.is_initialized()
     if started_ray:  # one local Ray for every stage; actors and workers keep to one thread each
@@ -210,23 +221,24 @@ def run_demo(cfg: DemoConfig) -> dict:
         _say(f"2/4 train: {cfg.train_steps} steps of a {cfg.block_size}-token-block drafter -> {out / 'train'}")
         t = train(cfg, out)
         times["train_s"] = round(time.perf_counter() - t0 - sum(times.values()), 1)
-        _say("3/4 bench: autoregressive vs DFlash decoding of the same target")
-        b = bench(cfg, out, t["drafter_dir"])
+        drafter_dir = drafter_dir or t["drafter_dir"]
+        _say(f"3/4 bench: autoregressive vs DFlash decoding of the same target, drafter {drafter_dir}")
+        b = bench(cfg, out, drafter_dir)
         times["bench_s"] = round(time.perf_counter() - t0 - sum(times.values()), 1)
         _say("4/4 serve: one OpenAI chat request to a Ray Serve replica")
-        reply = serve_one_request(cfg, t["drafter_dir"])
+        reply = serve_one_request(cfg, drafter_dir)
         times["serve_s"] = round(time.perf_counter() - t0 - sum(times.values()), 1)
     finally:
         if started_ray:
             ray.shutdown()
     times["total_s"] = round(time.perf_counter() - t0, 1)
-    summary = build_summary(cfg, out, d, t, b, reply, times)
+    summary = build_summary(cfg, out, d, t, b, reply, times, drafter_dir)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(format_summary(summary), file=sys.stderr, flush=True)
     return summary
 
 
-def build_summary(cfg, out: Path, d: dict, t: dict, b: dict, reply: dict, times: dict) -> dict:
+def build_summary(cfg, out: Path, d: dict, t: dict, b: dict, reply: dict, times: dict, drafter_dir: str) -> dict:
     greedy = [r for r in b["runs"] if r["temperature"] == 0]
     return {
         "output_dir": str(out),
@@ -234,6 +246,7 @@ def build_summary(cfg, out: Path, d: dict, t: dict, b: dict, reply: dict, times:
         "distill": {"samples": d["samples"], "tokens": d["tokens"], "dir": d["output_dir"]},
         "train": {"steps": t["steps"], "first_loss": t["first_loss"], "final_loss": t["final_loss"],
                   "final_accuracy": t["final_accuracy"], "drafter_dir": t["drafter_dir"]},
+        "drafter": drafter_dir,  # what bench and serve ran
         "bench": [{k: r.get(k) for k in ("dataset", "temperature", "num_prompts", "tau", "ar_tokens_per_s",
                                          "dflash_tokens_per_s", "speedup", "prompt_lookup_speedup", "lossless",
                                          "lossless_rule")} for r in b["runs"]],

@@ -84,6 +84,7 @@ class TrainConfig:
     # the objective and the drafter
     num_anchors: int = 32  # paper 512 (GPU); the LM head per scored slot dominates CPU cost
     block_size: int = 16
+    decode_block_size: int = 0  # written to the exported config: the block decoding uses (0: block_size)
     num_draft_layers: int = 1
     target_layer_ids: tuple[int, ...] | None = None  # offline: the data's; online: paper spread of num_taps
     num_taps: int = 5
@@ -372,11 +373,12 @@ def full_drafter(drafter: DFlashDrafter, dcfg: DrafterConfig, zero_stage: int, b
 
 
 def evaluate_tau(target, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int) -> float:
-    """Mean acceptance length over every greedy cycle of every prompt."""
+    """Mean acceptance length over every greedy cycle of every prompt, at the trained block size."""
     from dflash.decoding import SamplingParams, SpeculativeDecoder
 
     drafter = drafter.to(device=target.device, dtype=target.dtype)
-    requests = SpeculativeDecoder(target, drafter).generate(prompts, SamplingParams(max_new_tokens))
+    decoder = SpeculativeDecoder(target, drafter, block_size=drafter.config.block_size)
+    requests = decoder.generate(prompts, SamplingParams(max_new_tokens))
     lengths = [n for r in requests for n in r.stats.acceptance_lengths]
     return sum(lengths) / max(1, len(lengths))
 
@@ -482,7 +484,8 @@ def plan_run(cfg: TrainConfig) -> tuple[TrainPlan, object]:
                                         "target_id": info.target_id})
     dcfg = DrafterConfig.for_target(hf_config, choose_mask_token_id(vocab_view), cfg.num_draft_layers,
                                     cfg.block_size, list(layer_ids), target_id=info.target_id,
-                                    draft_vocab_size=cfg.draft_vocab_size)
+                                    draft_vocab_size=cfg.draft_vocab_size,
+                                    decode_block_size=cfg.decode_block_size)
     draft_vocab = ()
     if cfg.draft_vocab_size:
         counts = response_token_counts(data, hf_config.vocab_size)

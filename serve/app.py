@@ -163,6 +163,7 @@ class DFlashServer:
         self.target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
         drafter = None
         path = resolve_drafter(cfg.drafter, self.target.target_id)
+        self.drafter_name = str(path) if path is not None else None
         if path is not None:  # CheckpointError names the mismatch: the replica refuses to start
             drafter = load_drafter(path, target=self.target, device=cfg.device, dtype=cfg.dtype)
         decoder = SpeculativeDecoder(self.target, drafter, verify=cfg.verify)
@@ -170,7 +171,7 @@ class DFlashServer:
         self.engine = BatchingEngine(decoder, cfg.max_batch_size, cfg.max_context_tokens, self.metrics.on_step)
         self.model_name = cfg.model_name or self.target.target_id
         self.created = int(time.time())
-        log.info("replica ready: %s drafter=%s block=%d", self.model_name, cfg.drafter, decoder.block_size)
+        log.info("replica ready: %s drafter=%s block=%d", self.model_name, self.drafter_name, decoder.block_size)
 
     # --- plumbing -------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -282,7 +283,7 @@ class DFlashServer:
     async def models(self, request: Request) -> dict:
         self._authorize(request)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "dflash", "drafter": self.cfg.drafter}]}
+                                            "owned_by": "dflash", "drafter": self.drafter_name}]}
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -341,6 +342,8 @@ def check_drafter_fits(cfg: ServeConfig) -> None:
     except (FileNotFoundError, ValueError):
         return
     drafter_dir = resolve_drafter(cfg.drafter, target_id)  # "default" without a shipped one: refused
+    if drafter_dir is None:  # "auto" on a target with no shipped drafter: autoregressive
+        return
     drafter_cfg = read_drafter_config(drafter_dir)
     tc = AutoConfig.from_pretrained(model_dir)
     shape = SimpleNamespace(hidden_size=tc.hidden_size, num_layers=tc.num_hidden_layers,

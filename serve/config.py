@@ -35,7 +35,9 @@ class ServeConfig:
 
     # the model pair
     target: str = "default"  # "default", a Hugging Face directory or a .gguf file
-    drafter: str | None = None  # a directory, "default" (the shipped reference drafter) or None (autoregressive)
+    # a directory; "default": the reference drafter shipped for the target; "auto": that one
+    # when the target has one, else none; None/"none": autoregressive
+    drafter: str | None = "auto"
     dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
     device: str = "cpu"  # "cpu" or "cuda"
     verify: Literal["rejection", "match"] = "rejection"

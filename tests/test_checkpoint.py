@@ -1,12 +1,14 @@
 """Drafter checkpoints: the public DFlash layout, round trip, and clear errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.checkpoint import CheckpointError, load_drafter, read_drafter_config, save_drafter
+from dflash.checkpoint import CheckpointError, load_drafter, read_drafter_config, reference_drafter_dir, \
+    resolve_drafter, save_drafter
 from dflash.config import DrafterConfig
 from dflash.drafter import DFlashDrafter
 from dflash.target import choose_mask_token_id
@@ -46,6 +48,38 @@ def test_round_trip_is_exact_in_fp32(tmp_path, drafter, target_fp32):
     assert loaded.config == drafter.config
     for (k, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+def test_decode_block_size_is_kept_and_is_what_decoding_uses(tmp_path, drafter, target_fp32):
+    """Trained at B=16, decoded at 4 unless told otherwise; other loaders see block_size."""
+    from dflash.decoding import SpeculativeDecoder
+
+    assert SpeculativeDecoder(target_fp32, drafter).block_size == 16
+    assert "decode_block_size" not in drafter.config.to_hf_dict()["dflash_ray"]
+    short = DFlashDrafter(drafter.config.replace(decode_block_size=4))
+    save_drafter(short, tmp_path, dtype="fp32")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["block_size"] == 16 and cfg["dflash_ray"]["decode_block_size"] == 4
+    loaded = load_drafter(tmp_path, target=target_fp32)
+    assert loaded.config == short.config and loaded.config.extra == {}
+    assert SpeculativeDecoder(target_fp32, loaded).block_size == 4
+    assert SpeculativeDecoder(target_fp32, loaded, block_size=6).block_size == 6
+    for bad in (1, 17):
+        with pytest.raises(ValueError, match="decode_block_size"):
+            drafter.config.replace(decode_block_size=bad)
+
+
+def test_drafter_specs_resolve_to_the_shipped_drafter_or_none():
+    ref = reference_drafter_dir("default:SmolLM2-135M-Instruct")
+    assert ref is not None
+    assert resolve_drafter("default", "default:SmolLM2-135M-Instruct") == ref
+    assert resolve_drafter("auto", "default:SmolLM2-135M-Instruct") == ref
+    assert resolve_drafter("auto", "hf:some-other-model") is None  # autoregressive, not an error
+    with pytest.raises(CheckpointError, match="no reference drafter ships for target hf:some-other-model"):
+        resolve_drafter("default", "hf:some-other-model")
+    for spec in (None, "", "none"):
+        assert resolve_drafter(spec, "default:SmolLM2-135M-Instruct") is None
+    assert resolve_drafter("runs/d", "x") == Path("runs/d")
 
 
 def test_missing_keys_are_named(tmp_path, drafter, target_fp32):
@@ -91,11 +125,7 @@ def test_not_a_drafter_directory(tmp_path):
 def test_shipped_reference_drafter_is_small_bf16_and_its_recipe_is_the_reference_config():
     """The committed artifact is what `dflash train --config jobs/configs/reference/train.yaml`
     writes: same step count and training values; bf16 safetensors well under 30 MB."""
-    from pathlib import Path
-
     import yaml
-
-    from dflash.checkpoint import reference_drafter_dir
 
     ref = reference_drafter_dir("default:SmolLM2-135M-Instruct")
     assert ref is not None and ref.name == "SmolLM2-135M-Instruct"

@@ -149,6 +149,29 @@ def test_cli_bad_input_is_one_line_nonzero_and_overwrites_nothing(capsys, tmp_pa
     assert (keep / "precious.txt").read_text() == "mine" and (tmp_path / "bench.json").read_text() == "{}"
 
 
+def test_generate_decodes_with_the_shipped_drafter_by_default(capsys, target_fp32):
+    """No --drafter: the reference drafter of the default target (at its decode block of 4),
+    plain AR with 'none' or on a target with no shipped drafter; the same tokens every way (fp32)."""
+    from dflash.checkpoint import reference_drafter_dir
+
+    args = ["generate", "--chat", "--prompt", "Name three colors.", "--dtype", "fp32", "--max-new-tokens", "16",
+            "--json", "--threads", "1"]
+    runs = {}
+    for name, extra in [("auto", []), ("none", ["--drafter", "none"]),
+                        ("other", ["--target", str(target_fp32.model.name_or_path)])]:
+        rc, out, err = run_cli(capsys, *args, *extra)
+        assert rc == 0, err
+        runs[name] = (json.loads(out), err)
+    auto, none, other = (runs[k][0] for k in ("auto", "none", "other"))
+    assert auto["drafter"] == str(reference_drafter_dir(target_fp32.target_id))
+    assert len(auto["stats"]["acceptance_histogram"]) == 4  # blocks of 4: accept 1..4 per cycle
+    assert max(auto["stats"]["acceptance_lengths"]) > 1  # some drafts were accepted
+    assert none["drafter"] is None and other["drafter"] is None
+    assert set(none["stats"]["acceptance_lengths"]) == {1}
+    assert "no reference drafter ships for hf:" in runs["other"][1]
+    assert auto["token_ids"] == none["token_ids"] == other["token_ids"]
+
+
 def test_bench_on_two_prompts_writes_every_field_and_plot(capsys, tmp_path):
     prompts = tmp_path / "two.jsonl"
     prompts.write_text(json.dumps({"prompt": "What is 2+2?"}) + "\n"
@@ -248,6 +271,10 @@ def test_demo_pipeline_at_reduced_size(ray_session, tmp_path, capsys):
     serve = summary["serve"]
     assert serve["text"].strip() and serve["usage"]["completion_tokens"] <= 6 and serve["dflash"]["cycles"] >= 1
     assert summary["train"]["drafter_dir"] == str(out / "train" / "run" / "drafter")
+    from dflash.checkpoint import reference_drafter_dir  # bench and serve ran the shipped drafter
+
+    assert summary["drafter"] == str(reference_drafter_dir("default:SmolLM2-135M-Instruct"))
+    assert json.loads((out / "bench" / "bench.json").read_text())["runs"][0]["block_size"] == 4
     assert (out / "train" / "run" / "drafter" / "model.safetensors").is_file()
     for png in (out / "training.png", out / "bench" / "acceptance_histogram.png", out / "bench" / "speedup.png"):
         assert png.read_bytes()[:8] == PNG_MAGIC, png

@@ -121,6 +121,9 @@ def test_drafter_for_another_target_is_refused(target_fp32, tmp_path):
     # default target in its own directory is another target id, for which none ships
     with pytest.raises(CheckpointError, match="no reference drafter ships for target hf:"):
         build_app(ServeConfig(target=str(target_fp32.model.name_or_path), drafter="default"))
+    # "auto", the default, serves such a target autoregressively instead
+    assert ServeConfig().drafter == "auto"
+    build_app(ServeConfig(target=str(target_fp32.model.name_or_path)))
 
 
 def test_incremental_text_holds_back_partial_stop_strings(target_fp32):
@@ -479,6 +482,9 @@ def test_serve_run_starts_the_shipped_config(tmp_path):
         r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions",
                           json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        # drafter: auto, i.e. the reference drafter shipped for the default target
+        models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"]
+        assert models[0]["drafter"].endswith("drafters/SmolLM2-135M-Instruct"), models
         _stop(proc, signal.SIGINT)
     finally:
         if proc.poll() is None:
