@@ -71,7 +71,8 @@ def test_values_are_checked_against_the_dataclass_and_errors_name_the_key():
              ({"target_layer_ids": [1, "x"]}, r"target_layer_ids\[1\]: expected an integer"),
              ({"eval_at_end": "yes"}, "eval_at_end: expected true/false"),
              ({"bogus": 1, "lr_typo": 2}, r"unknown key\(s\) \['bogus', 'lr_typo'\]"),
-             ({"block_size": 1}, "block_size must be >= 2")]
+             ({"block_size": 1}, "block_size must be >= 2"),
+             ({"block_size": 8, "decode_block_size": 9}, r"decode_block_size must be 0 \(= block_size\) or in 2..8")]
     for values, message in cases:
         with pytest.raises(ConfigError, match=message):
             build_config(TrainConfig, values, "test")

@@ -220,7 +220,7 @@ def test_two_workers_zero2_loss_goes_down_exports_and_decodes_losslessly(ray_ses
 
     cfg = TrainConfig(data=str(data_dir), output_dir=str(tmp_path), run_name="z2", num_workers=2, zero_stage=2,
                       max_steps=8, init="target", eval_at_end=True, eval_num_prompts=2, eval_max_new_tokens=16,
-                      tap_scaling="rms", **(TINY | {"checkpoint_every": 4, "micro_batch_size": 1}))
+                      tap_scaling="rms", decode_block_size=4, **(TINY | {"checkpoint_every": 4, "micro_batch_size": 1}))
     summary = run_train(cfg)
     steps = steps_of(summary["run_dir"])
     assert [r["step"] for r in steps] == list(range(1, 9)) and summary["steps"] == 8
@@ -238,6 +238,7 @@ def test_two_workers_zero2_loss_goes_down_exports_and_decodes_losslessly(ray_ses
     # exactly what the target decodes alone
     drafter = load_drafter(summary["drafter_dir"], target=target_fp32)
     assert drafter.config.target_layer_ids == LAYERS and drafter.config.block_size == 8
+    assert drafter.config.decode_block_size == 4 and SpeculativeDecoder(target_fp32, drafter).block_size == 4
     prompts = chat_prompt_ids(target_fp32, ["Name a color.", "What is 3+5?"])
     plain = SpeculativeDecoder(target_fp32).generate(prompts, SamplingParams(max_new_tokens=20))
     spec = SpeculativeDecoder(target_fp32, drafter).generate(prompts, SamplingParams(max_new_tokens=20))
