@@ -32,6 +32,12 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     return [int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps)]
 
 
+def check_decode_block_size(decode_block_size: int, block_size: int) -> None:
+    """0 (decode at the trained block) or 2..block_size: positions past B were never trained."""
+    if decode_block_size and not 2 <= decode_block_size <= block_size:
+        raise ValueError(f"decode_block_size must be 0 (= block_size) or in 2..{block_size}, got {decode_block_size}")
+
+
 def default_gamma(block_size: int) -> float:
     """Loss decay gamma: 7/5/4 for B=16/10/8 (paper); other sizes interpolate ~B/2.3."""
     return _GAMMA_BY_BLOCK.get(block_size, max(1.0, round(block_size / 2.3, 2)))
@@ -89,9 +95,7 @@ class DrafterConfig:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside vocabulary of {self.vocab_size}")
         if self.draft_vocab_size and not 2 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be 0 (all) or in 2..{self.vocab_size}, got {self.draft_vocab_size}")
-        if self.decode_block_size and not 2 <= self.decode_block_size <= self.block_size:
-            raise ValueError(f"decode_block_size must be 0 (= block_size) or in 2..{self.block_size}, "
-                             f"got {self.decode_block_size}")
+        check_decode_block_size(self.decode_block_size, self.block_size)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         object.__setattr__(self, "target_layer_ids", tuple(int(l) for l in self.target_layer_ids))

@@ -51,12 +51,12 @@ def _load_drafter(spec: str | None, target, args, fallback: str | None = None):
     drafter for this target; else a directory."""
     import torch
 
-    from dflash.checkpoint import CheckpointError, load_drafter, reference_drafter_dir, resolve_drafter
+    from dflash.checkpoint import CheckpointError, load_drafter, resolve_drafter
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter
     from dflash.target import choose_mask_token_id, parse_dtype
 
-    if spec == "auto" and reference_drafter_dir(target.target_id) is None:
+    if spec == "auto" and resolve_drafter(spec, target.target_id) is None:  # none ships for this target
         print(f"[dflash] no reference drafter ships for {target.target_id}: using "
               f"{fallback or 'no drafter (autoregressive)'}", file=sys.stderr)
         spec = fallback

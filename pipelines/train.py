@@ -36,7 +36,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from dflash.config import DrafterConfig, default_target_layer_ids
+from dflash.config import DrafterConfig, check_decode_block_size, default_target_layer_ids
 from dflash.drafter import DFlashDrafter, OutputHead
 from dflash.objective import dflash_loss, implied_tau
 from pipelines.train_data import (inspect_training_data, micro_batches, most_frequent_tokens, read_dataset,
@@ -119,9 +119,7 @@ class TrainConfig:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.decode_block_size and not 2 <= self.decode_block_size <= self.block_size:
-            raise ValueError(f"decode_block_size must be 0 (= block_size) or in 2..{self.block_size}, "
-                             f"got {self.decode_block_size}")
+        check_decode_block_size(self.decode_block_size, self.block_size)
         if not 0 <= self.warmup_ratio < 1 or self.lr <= 0 or self.cpus_per_worker <= 0:
             raise ValueError("need 0 <= warmup_ratio < 1, lr > 0 and cpus_per_worker > 0")
         if self.max_steps < 0 or self.eval_every < 0 or self.max_failures < 0:
