@@ -8,7 +8,10 @@ Each variant trains a fresh drafter with the dflash/ objective (the same code Ra
 runs, without Ray) on every shard but the last, and is scored every --eval-every steps on
 the first --eval-rows rows of the last shard with fixed anchors (loss over the draft
 vocabulary, top-1 accuracy per block position over all labels). One thread, bf16 by
-default: the fast path on these CPUs. A lever that wins here is then confirmed by the
+default: the fast path on these CPUs. `--train-rows N` trains on the first N rows only, so
+a few thousand steps run several epochs and show how a lever copes with memorisation;
+the `soft*` variants (logit distillation) first compute the target's top-32 next-token
+distribution over those rows, teacher-forced. A lever that wins here is then confirmed by the
 true tau of `dflash train ... eval_every=` (speculative decoding of held-out prompts).
 """
 
@@ -33,9 +36,12 @@ VARIANTS = {  # name -> changes to the base recipe
     "block16": {"block_size": 16},
     "vocab4096": {"draft_vocab_size": 4096},
     "layers2": {"num_draft_layers": 2},
+    "soft": {"soft_weight": 1.0},  # logit distillation: CE against the target's top-k distribution
+    "soft0.5": {"soft_weight": 0.5},  # half hard labels, half the target's distribution
 }
 BASE = {"lr": 1e-3, "init": "random", "tap_scaling": "none", "num_anchors": 64, "block_size": 8,
-        "draft_vocab_size": 8192, "num_draft_layers": 1, "warmup": 20}
+        "draft_vocab_size": 8192, "num_draft_layers": 1, "warmup": 20, "soft_weight": 0.0}
+SOFT_TOP_K = 32
 
 
 def load_rows(files, max_rows=None):
@@ -53,6 +59,33 @@ def load_rows(files, max_rows=None):
     return rows
 
 
+@torch.no_grad()
+def target_top_k(target, rows, k=SOFT_TOP_K):
+    """Per row (T, k) ids and probabilities of the target's distribution for the token AT
+    each position (teacher-forced over the row; position 0 gets a dummy entry)."""
+    from dflash.masks import causal_attention_mask
+
+    out = []
+    for ids, _, _ in rows:
+        n = len(ids)
+        logits = target.forward(ids[None], torch.arange(n)[None], causal_attention_mask(torch.ones(1, n, dtype=torch.bool)),
+                                None).logits[0]  # (n, V): row p predicts token p+1
+        top = torch.softmax(logits, -1).topk(k, -1)
+        ids_k = torch.cat([torch.zeros(1, k, dtype=torch.long), top.indices[:-1]])
+        probs_k = torch.cat([torch.zeros(1, k), top.values[:-1]]).to(torch.float16)
+        out.append((ids_k, probs_k))
+    return out
+
+
+def soft_batch(soft, idx):
+    t = max(len(soft[i][0]) for i in idx)
+    ids = torch.zeros(len(idx), t, SOFT_TOP_K, dtype=torch.long)
+    probs = torch.zeros(len(idx), t, SOFT_TOP_K, dtype=torch.float16)
+    for j, i in enumerate(idx):
+        ids[j, : len(soft[i][0])], probs[j, : len(soft[i][0])] = soft[i]
+    return ids, probs
+
+
 def batch_of(rows):
     t = max(len(r[0]) for r in rows)
     ids = torch.zeros(len(rows), t, dtype=torch.long)
@@ -64,7 +97,8 @@ def batch_of(rows):
     return ids, mask, valid, taps
 
 
-def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_counts, steps, eval_every, micro, seed):
+def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_counts, steps, eval_every, micro, seed,
+                soft=None):
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter, OutputHead
     from dflash.objective import dflash_loss, implied_tau
@@ -122,10 +156,13 @@ def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_co
     for step in range(1, steps + 1):
         if pos + micro > len(order):
             order, pos = torch.randperm(len(train_rows), generator=g).tolist(), 0
-        ids, mask, valid, taps = batch_of([train_rows[i] for i in order[pos: pos + micro]])
+        idx = order[pos: pos + micro]
+        ids, mask, valid, taps = batch_of([train_rows[i] for i in idx])
         pos += micro
+        w = recipe["soft_weight"]
         out = dflash_loss(drafter, target.embed, head.logits, ids, mask, scaled(taps), valid,
-                          num_anchors=recipe["num_anchors"], generator=g, label_index=head.index)
+                          num_anchors=recipe["num_anchors"], generator=g, label_index=head.index,
+                          soft_labels=soft_batch(soft, idx) if w else None, soft_weight=w)
         opt.zero_grad()
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -143,6 +180,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-rows", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--train-rows", type=int, default=0, help="train on only this many rows (0 = all): "
+                    "a small set shows how a lever copes with memorisation within a few epochs")
     ap.add_argument("--variants", default="base,rms,target,zero")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--threads", type=int, default=1)
@@ -161,17 +200,24 @@ def main() -> None:
         raise SystemExit(f"{args.data}: need at least two shards (train on all but the last, score on the last)")
     meta = read_dataset_metadata(args.data)
     target = load_target("default", dtype=args.dtype)
-    train_rows, eval_rows = load_rows(files[:-1]), load_rows(files[-1:], args.eval_rows)
+    train_rows, eval_rows = load_rows(files[:-1], args.train_rows or None), load_rows(files[-1:], args.eval_rows)
     counts = response_token_counts(DataInfo(tuple(map(str, files[:-1])), len(train_rows), meta), target.vocab_size)
     tap_scale = tap_rms_scale(files[:-1])
-    print(f"{len(train_rows)} training rows ({int(counts.sum())} response tokens), {len(eval_rows)} held-out rows, "
+    response_tokens = sum(int(m.sum()) for _, m, _ in train_rows)
+    print(f"{len(train_rows)} training rows ({response_tokens} response tokens), {len(eval_rows)} held-out rows, "
           f"taps {list(meta.target_layer_ids)}, {args.dtype}, {args.threads} thread(s)", flush=True)
+    names = args.variants.split(",")
+    soft = None
+    if any((BASE | VARIANTS[n])["soft_weight"] for n in names):
+        t0 = time.perf_counter()
+        soft = target_top_k(target, train_rows)
+        print(f"target top-{SOFT_TOP_K} distributions of the training rows: {time.perf_counter() - t0:.0f} s", flush=True)
     results = {}
-    for name in args.variants.split(","):
+    for name in names:
         recipe = BASE | VARIANTS[name] | {"_tap_scale": tap_scale}
         print(f"{name}: {VARIANTS[name] or 'the base recipe'}", flush=True)
         results[name] = run_variant(name, recipe, target, train_rows, eval_rows, meta.target_layer_ids, counts,
-                                    args.steps, args.eval_every, args.micro_batch, args.seed)
+                                    args.steps, args.eval_every, args.micro_batch, args.seed, soft)
     print(f"\n| variant | eval loss | implied tau | acc k=1 | acc k=2 | acc k=3 | seconds |\n|---|---|---|---|---|---|---|")
     for name, hist in results.items():
         last = hist[-1]

@@ -67,6 +67,22 @@ def drafter_training_hidden(
     return hidden.view(b, anchors.shape[1], B, -1)
 
 
+def soft_cross_entropy(logits, soft_labels, anchor_pos, sel, label_index=None) -> torch.Tensor:
+    """Per scored slot, CE of the draft logits (N, K) against the target's top-k
+    distribution at the slot's label position anchor + k; entries outside the draft
+    vocabulary are dropped and the rest renormalised (a slot with none scores 0)."""
+    ids, probs = soft_labels
+    b_idx, a_idx, k_idx = sel
+    pos = anchor_pos[b_idx, a_idx] + k_idx + 1  # label position of each scored slot
+    cols = ids[b_idx, pos]  # (N, k)
+    if label_index is not None:
+        cols = label_index(cols)
+    q = probs[b_idx, pos].float() * (cols >= 0)
+    q = q / q.sum(-1, keepdim=True).clamp(min=1e-8)
+    logp = torch.log_softmax(logits, -1).gather(1, cols.clamp(min=0))
+    return -(q * logp).sum(-1)
+
+
 def dflash_loss(
     drafter: DFlashDrafter,
     embed,
@@ -80,6 +96,8 @@ def dflash_loss(
     generator: torch.Generator | None = None,
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
     label_index=None,
+    soft_labels: tuple[torch.Tensor, torch.Tensor] | None = None,
+    soft_weight: float = 1.0,
 ) -> LossOutput:
     """Weighted same-position cross-entropy over random blocks.
 
@@ -89,6 +107,11 @@ def dflash_loss(
     scores only the K draftable tokens and `label_index` maps target ids to those K columns
     (-1 outside: such labels carry no loss, nothing could learn them, but they count as
     misses in the accuracies); see dflash.drafter.OutputHead.
+
+    soft_labels = (ids, probs), both (b, T, k): the target's top-k distribution for the
+    token AT each position (from its logits one position earlier). With them the loss is
+    (1 - soft_weight) * hard CE + soft_weight * CE against that distribution, renormalised
+    over its draftable entries (logit distillation; accuracies still count hard labels).
     """
     cfg = drafter.config
     B = cfg.block_size
@@ -111,6 +134,8 @@ def dflash_loss(
     w = position_weights(B, gamma if gamma is not None else cfg.gamma, device=logits.device)[k_index]
     w = w * draftable
     ce = F.cross_entropy(logits, column.clamp(min=0), reduction="none")
+    if soft_labels is not None and soft_weight > 0:
+        ce = (1 - soft_weight) * ce + soft_weight * soft_cross_entropy(logits, soft_labels, anchor_pos, sel, label_index)
     loss = (w * ce).sum() / w.sum().clamp(min=1e-8)
     with torch.no_grad():
         hit = ((logits.argmax(-1) == column) & draftable).float()

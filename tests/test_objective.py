@@ -80,3 +80,42 @@ def test_loss_weights_and_accuracy_bookkeeping(target_fp32, trained):
     assert torch.all(out.correct <= out.counts)
     assert 1.0 <= implied_tau(out.accuracy) <= B
     assert implied_tau([1.0] * (B - 1)) == B and implied_tau([0.0] * (B - 1)) == 1.0
+
+
+def test_soft_labels_one_hot_equal_hard_labels_and_renormalise(target_fp32, trained):
+    """Logit distillation (soft_labels): a one-hot target distribution on the true token is
+    the hard loss exactly; spreading it changes the loss; entries outside the draft
+    vocabulary are dropped and the rest renormalised."""
+    from dflash.drafter import OutputHead
+    from dflash.objective import soft_cross_entropy
+
+    drafter, _, prompts, outputs = trained
+    ids, loss_mask, valid = padded_batch(prompts[:2], outputs[:2])
+    taps = target_taps(target_fp32, ids, valid, drafter.config.target_layer_ids)
+    b, t = ids.shape
+    anchors = (torch.tensor([[len(prompts[0]) + 1, len(prompts[0]) + 6], [len(prompts[1]) + 2, len(prompts[1]) + 5]]),
+               torch.ones(2, 2, dtype=torch.bool))
+    one_hot = (torch.cat([ids[..., None], torch.zeros(b, t, 1, dtype=torch.long)], -1),
+               torch.tensor([1.0, 0.0]).expand(b, t, 2))
+
+    def loss(**kw):
+        with torch.no_grad():
+            return dflash_loss(drafter, target_fp32.embed, target_fp32.lm_head, ids, loss_mask, taps, valid,
+                               anchors=anchors, **kw).loss
+
+    hard = loss()
+    torch.testing.assert_close(loss(soft_labels=one_hot, soft_weight=1.0), hard)
+    spread = (one_hot[0], torch.tensor([0.5, 0.5]).expand(b, t, 2))
+    assert abs(float(loss(soft_labels=spread, soft_weight=1.0) - hard)) > 1e-3
+    torch.testing.assert_close(loss(soft_labels=spread, soft_weight=0.0), hard)
+
+    # a draft vocabulary without token 0: the spread pair renormalises to one-hot again
+    vocab = torch.arange(1, target_fp32.vocab_size)
+    head = OutputHead(target_fp32.model.lm_head.weight, vocab)
+    logits = torch.randn(3, vocab.numel())
+    sel = (torch.tensor([0, 1, 1]), torch.tensor([0, 0, 1]), torch.tensor([0, 2, 1]))
+    got = soft_cross_entropy(logits, spread, anchors[0], sel, head.index)
+    pos = anchors[0][sel[0], sel[1]] + sel[2] + 1
+    want = torch.nn.functional.cross_entropy(logits, head.index(ids[sel[0], pos]), reduction="none")
+    assert bool((ids[sel[0], pos] != 0).all())
+    torch.testing.assert_close(got, want)
