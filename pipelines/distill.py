@@ -335,11 +335,29 @@ def distill_shards(cfg: DistillConfig, spec, todo: list[tuple[int, list[dict]]])
 
 # --- the run ----------------------------------------------------------------------------------
 
-def run_distill(cfg: DistillConfig) -> dict:
-    """Distill (or finish distilling) cfg.output_dir; returns the summary also in _manifest.json."""
-    from pipelines.distill_worker import WorkerSpec
+@dataclass
+class PreparedRun:
+    """What the driver decided before any generation: where, what, and the work per shard."""
 
-    t0 = time.perf_counter()
+    out: Path
+    meta: DatasetMetadata
+    fingerprint: str
+    src_hash: str
+    plan: Plan
+    shards: list[list[dict]]  # shard i = plan.samples[i*shard_size : (i+1)*shard_size]
+
+    def worker_spec(self, cfg: DistillConfig, **overrides) -> "WorkerSpec":
+        from pipelines.distill_worker import WorkerSpec
+
+        threads = max(1, math.floor(cfg.num_cpus_per_actor))
+        fields = dict(target=cfg.target, dtype=cfg.dtype, device=cfg.device, output_dir=str(self.out),
+                      metadata=self.meta, params=cfg.generation(), seed=cfg.seed, batch_size=cfg.batch_size,
+                      torch_threads=threads)
+        return WorkerSpec(**(fields | overrides))
+
+
+def prepare_run(cfg: DistillConfig) -> PreparedRun:
+    """Start-up checks, the claim on output_dir (fingerprint), the plan and its rejects."""
     out = prepare_output_dir(cfg.output_dir)
     info = inspect_target(cfg.target)
     layer_ids = tapped_layers(cfg, info.num_layers)
@@ -363,17 +381,19 @@ def run_distill(cfg: DistillConfig) -> dict:
     if beyond:
         raise DistillConfigError(f"output_dir {out} holds {len(beyond)} shard(s) beyond this limit ({beyond[0]} ...): "
                                  f"a dataset only grows; raise limit or use a new output_dir")
-    todo = [(i, s) for i, s in enumerate(shards) if not _shard_done(out / shard_name(i), len(s))]
+    return PreparedRun(out, meta, fingerprint, src_hash, plan, shards)
+
+
+def run_distill(cfg: DistillConfig) -> dict:
+    """Distill (or finish distilling) cfg.output_dir; returns the summary also in _manifest.json."""
+    t0 = time.perf_counter()
+    run = prepare_run(cfg)
+    out = run.out
+    todo = [(i, s) for i, s in enumerate(run.shards) if not _shard_done(out / shard_name(i), len(s))]
     t1 = time.perf_counter()
-    results = []
-    if todo:
-        threads = max(1, math.floor(cfg.num_cpus_per_actor))
-        spec = WorkerSpec(target=cfg.target, dtype=cfg.dtype, device=cfg.device, output_dir=str(out),
-                          metadata=meta, params=cfg.generation(), seed=cfg.seed, batch_size=cfg.batch_size,
-                          torch_threads=threads)
-        results = distill_shards(cfg, spec, todo)
+    results = distill_shards(cfg, run.worker_spec(cfg), todo) if todo else []
     work_s = time.perf_counter() - t1
-    summary = finalize(out, shards, plan, meta, cfg, fingerprint, src_hash, results, work_s)
+    summary = finalize(out, run.shards, run.plan, run.meta, cfg, run.fingerprint, run.src_hash, results, work_s)
     summary["run"]["total_seconds"] = round(time.perf_counter() - t0, 2)
     _write_json_atomic(out / MANIFEST_NAME, json.dumps(summary, indent=1))
     print(format_summary(summary), file=sys.stderr)

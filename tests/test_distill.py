@@ -365,3 +365,40 @@ def test_node_removed_mid_run_then_rerun(distilled, source, tmp_path):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+# --- without Ray: plan here, generate elsewhere (jobs/distill_local.py) -------------------------
+
+def test_local_run_of_a_plan_writes_the_shards_ray_writes(distilled, source, tmp_path):
+    """plan -> run (no Ray, as on a lent GPU box) -> copy -> dflash distill finalises: the same
+    rows and features as the Ray Data job, and nothing recomputed."""
+    import gzip
+    import shutil
+
+    from jobs.distill_local import run_plan, write_plan
+
+    ray_out, ray_summary = distilled
+    cfg = make_cfg(source, tmp_path / "data")
+    plan = write_plan(cfg, tmp_path / "plan.json.gz")
+    assert plan["shards"] == ray_summary["shards"] and (tmp_path / "data" / "_run.json").exists()
+    assert plan["fingerprint"] == ray_summary["fingerprint"]  # where it runs is not part of the content
+
+    none = run_plan(tmp_path / "plan.json.gz", tmp_path / "gen", device="cpu", seconds=0, threads=1)
+    assert none["shards_done"] == 0 and not list((tmp_path / "gen").glob("*.parquet"))  # out of time: no shard
+    first = run_plan(tmp_path / "plan.json.gz", tmp_path / "gen", device="cpu", seconds=float("inf"), threads=1)
+    assert first["shards_done"] == plan["shards"] and first["limit"] == ray_summary["shards"] * cfg.shard_size
+    for f in (tmp_path / "gen").glob("part-*.parquet"):
+        shutil.copy(f, tmp_path / "data")
+    summary = run_distill(cfg)  # todo is empty: no Ray pool starts
+    assert summary["run"]["shards_computed"] == 0 and summary["samples"] == ray_summary["samples"]
+    assert_exactly_once(tmp_path / "data", read_rows(ray_out))
+    mine, theirs = pq.read_table(tmp_path / "data"), pq.read_table(ray_out)
+    assert mine.schema.metadata == theirs.schema.metadata
+    by_id = {r: i for i, r in enumerate(theirs.column("sample_id").to_pylist())}
+    for i, sid in enumerate(mine.column("sample_id").to_pylist()):
+        assert mine.column("hidden")[i].as_py() == theirs.column("hidden")[by_id[sid]].as_py()
+
+    with gzip.open(tmp_path / "bad.json.gz", "wt") as f:
+        json.dump({"format": 99}, f)
+    with pytest.raises(ValueError, match="plan format 99"):
+        run_plan(tmp_path / "bad.json.gz", tmp_path / "gen2", device="cpu", seconds=1, threads=1)
