@@ -1,0 +1,174 @@
+"""How far the reference recipe goes with more training compute: one device, no Ray, a
+time budget instead of a step count. An experiment, not the trainer (that is `dflash train`).
+
+    python benchmarks/train_device.py --data DIR --out DRAFTER_DIR --device cuda --seconds 200
+
+Trains a drafter on a tokens-only `dflash distill` directory (online features from the frozen
+target, as `dflash train mode=online` does) with the dflash/ objective, the recipe of
+jobs/configs/reference/train.yaml unless overridden, and micro-batches of --batch sequences.
+The cosine schedule is sized after the first --probe-steps from the step rate of their
+second half, so the run ends inside --seconds. The last shard is held out: every --eval-every steps it
+reports loss, per-position accuracy and the tau they imply on fixed anchors. Writes the
+drafter (public layout, bf16) and train_log.jsonl to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seconds", type=float, default=200)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--anchors", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--init", default="target", choices=["random", "target", "zero_output"])
+    ap.add_argument("--max-seq-len", type=int, default=640)
+    ap.add_argument("--probe-steps", type=int, default=30)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-only", default=None, help="comma-separated drafter dirs: score them on the held-out "
+                    "rows (the last 64 of --data) and train nothing")
+    args = ap.parse_args()
+
+    import pyarrow.parquet as pq
+
+    from dflash.checkpoint import load_drafter, save_drafter
+    from dflash.config import DrafterConfig, default_target_layer_ids
+    from dflash.data import read_dataset_metadata, shard_files
+    from dflash.drafter import DFlashDrafter, OutputHead
+    from dflash.masks import sample_anchors
+    from dflash.objective import dflash_loss, implied_tau
+    from dflash.target import choose_mask_token_id, load_target
+    from pipelines.train import init_from_target, online_taps, round_to_storage, warmup_cosine
+    from pipelines.train_data import DataInfo, collate, most_frequent_tokens, response_token_counts
+
+    t_start = time.perf_counter()
+    dev = torch.device(args.device)
+    files = shard_files(args.data)
+    meta = read_dataset_metadata(args.data)
+    target = load_target("default", device=args.device, dtype="bf16")
+    rows = []
+    for f in files:
+        t = pq.read_table(f, columns=["input_ids", "loss_mask"])
+        for ids, mask in zip(t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()):
+            rows.append((torch.tensor(ids[: args.max_seq_len], dtype=torch.int32).numpy(),
+                         torch.tensor(mask[: args.max_seq_len], dtype=torch.uint8).numpy()))
+    held = rows[-64:]
+    train = rows[:-64] if len(rows) > 128 else rows
+    layer_ids = default_target_layer_ids(target.num_layers, 5)
+    hb = collate([r[0] for r in held], [r[1] for r in held], None)
+    held_taps = round_to_storage(online_taps(target, hb, tuple(layer_ids)))
+    held_anchors = sample_anchors((hb.loss_mask & hb.valid), 64, torch.Generator().manual_seed(1234))
+
+    def heldout_metrics(drafter, head) -> dict:
+        """Loss and per-position accuracy on the held-out rows at fixed anchors (teacher-forced)."""
+        was_training = drafter.training
+        drafter.eval()
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
+            out = dflash_loss(drafter, target.embed, head.logits, hb.input_ids.to(dev), hb.loss_mask.to(dev),
+                              held_taps.to(dev), hb.valid.to(dev), anchors=tuple(a.to(dev) for a in held_anchors),
+                              label_index=head.index)
+        drafter.train(was_training)
+        acc = [round(a, 4) for a in out.accuracy.tolist()]
+        return {"eval_loss": round(out.loss.item(), 4), "eval_accuracy": acc, "eval_implied_tau": round(implied_tau(acc), 4)}
+
+    if args.eval_only:
+        for d in args.eval_only.split(","):
+            drafter = load_drafter(d, target, device=args.device).float()
+            if list(drafter.config.target_layer_ids) != list(layer_ids):
+                raise SystemExit(f"{d}: taps {drafter.config.target_layer_ids}, this evaluation computes {layer_ids}")
+            print(json.dumps({"drafter": d} | heldout_metrics(drafter, OutputHead(target.model.lm_head.weight,
+                                                                                    drafter.draft_vocab))))
+        return
+    counts = response_token_counts(DataInfo(tuple(map(str, files)), len(rows), meta), target.vocab_size)
+    torch.manual_seed(args.seed)
+    cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), args.layers, args.block_size,
+                                   layer_ids, draft_vocab_size=args.vocab)
+    drafter = DFlashDrafter(cfg)
+    if args.init == "target":
+        init_from_target(drafter, target)
+    elif args.init == "zero_output":
+        drafter.reset_parameters(zero_output=True)
+    drafter.set_draft_vocab(most_frequent_tokens(counts, args.vocab))
+    drafter = drafter.to(dev)
+    head = OutputHead(target.model.lm_head.weight, drafter.draft_vocab)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0)
+    total = [10 ** 9]  # set after the probe steps
+    warm = max(1, args.probe_steps)
+
+    def factor(step):
+        return warmup_cosine(total[0], warm / total[0])(step) if total[0] < 10 ** 9 else min(1.0, (step + 1) / warm)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    gen = torch.Generator().manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = open(out_dir / "train_log.jsonl", "w")
+    def evaluate(step, seconds):
+        row = {"step": step} | heldout_metrics(drafter, head) | {"seconds": round(seconds, 1), "total_steps": total[0]}
+        acc = row["eval_accuracy"]
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        print(f"step {step}/{total[0]}: eval loss {row['eval_loss']:.3f} implied tau {row['eval_implied_tau']:.3f} "
+              f"acc {acc[:4]} ({seconds:.0f}s)", flush=True)
+
+    print(f"{len(train)} training rows, {len(held)} held out; setup {time.perf_counter() - t_start:.0f}s", flush=True)
+    order = sorted(range(len(train)), key=lambda i: len(train[i][0]))  # length buckets of --batch rows
+    groups = [order[i: i + args.batch] for i in range(0, len(order), args.batch)]
+    t0 = time.perf_counter()
+    step, epoch, t_half = 0, 0, 0.0
+    drafter.train()
+    while step < total[0]:
+        rng.shuffle(groups)
+        for g in groups:
+            mb = collate([train[i][0] for i in g], [train[i][1] for i in g], None)
+            taps = round_to_storage(online_taps(target, mb, tuple(layer_ids)))
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                out = dflash_loss(drafter, target.embed, head.logits, mb.input_ids.to(dev), mb.loss_mask.to(dev),
+                                  taps, mb.valid.to(dev), num_anchors=args.anchors, generator=gen,
+                                  label_index=head.index)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            elapsed = time.perf_counter() - t0
+            if step == args.probe_steps // 2:
+                t_half = elapsed  # the first steps include warm-up (allocator, kernels): not timed
+            if step == args.probe_steps:
+                rate = (step - args.probe_steps // 2) / max(elapsed - t_half, 1e-9)
+                total[0] = max(step + 1, int(rate * (args.seconds - (time.perf_counter() - t_start))))
+                print(f"{rate:.1f} steps/s: schedule set to {total[0]} steps", flush=True)
+            if step % 50 == 0:
+                log.write(json.dumps({"step": step, "loss": round(out.loss.item(), 4), "epoch": epoch,
+                                      "lr": sched.get_last_lr()[0]}) + "\n")
+            if step % args.eval_every == 0:
+                evaluate(step, elapsed)
+            if step >= total[0]:
+                break
+        epoch += 1
+    evaluate(step, time.perf_counter() - t0)
+    save_drafter(drafter.float().cpu(), out_dir, dtype="bf16")
+    (out_dir / "training.json").write_text(json.dumps(vars(args) | {"steps": step, "epochs": epoch,
+                                                                     "train_rows": len(train)}, indent=1))
+    print(f"saved {out_dir} after {step} steps ({epoch} epochs)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
