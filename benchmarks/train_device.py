@@ -7,7 +7,7 @@ Trains a drafter on a tokens-only `dflash distill` directory (online features fr
 target, as `dflash train mode=online` does) with the dflash/ objective, the recipe of
 jobs/configs/reference/train.yaml unless overridden, and micro-batches of --batch sequences.
 The cosine schedule is sized after the first --probe-steps from the step rate of their
-second half, so the run ends inside --seconds. The last shard is held out: every --eval-every steps it
+second half, so the run ends inside --seconds. The last --heldout-rows rows are held out: every --eval-every steps it
 reports loss, per-position accuracy and the tau they imply on fixed anchors. Writes the
 drafter (public layout, bf16) and train_log.jsonl to --out.
 """
@@ -40,8 +40,9 @@ def main() -> None:
     ap.add_argument("--probe-steps", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--heldout-rows", type=int, default=64, help="the last rows of --data, never trained on")
     ap.add_argument("--eval-only", default=None, help="comma-separated drafter dirs: score them on the held-out "
-                    "rows (the last 64 of --data) and train nothing")
+                    "rows and train nothing")
     args = ap.parse_args()
 
     import pyarrow.parquet as pq
@@ -54,7 +55,7 @@ def main() -> None:
     from dflash.objective import dflash_loss, implied_tau
     from dflash.target import choose_mask_token_id, load_target
     from pipelines.train import init_from_target, online_taps, round_to_storage, warmup_cosine
-    from pipelines.train_data import DataInfo, collate, most_frequent_tokens, response_token_counts
+    from pipelines.train_data import DataInfo, _rows, collate, most_frequent_tokens, response_token_counts
 
     t_start = time.perf_counter()
     dev = torch.device(args.device)
@@ -63,12 +64,12 @@ def main() -> None:
     target = load_target("default", device=args.device, dtype="bf16")
     rows = []
     for f in files:
-        t = pq.read_table(f, columns=["input_ids", "loss_mask"])
-        for ids, mask in zip(t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()):
-            rows.append((torch.tensor(ids[: args.max_seq_len], dtype=torch.int32).numpy(),
-                         torch.tensor(mask[: args.max_seq_len], dtype=torch.uint8).numpy()))
-    held = rows[-64:]
-    train = rows[:-64] if len(rows) > 128 else rows
+        ids, masks, _ = _rows(pq.read_table(f, columns=["input_ids", "loss_mask"]), args.max_seq_len, offline=False)
+        rows += list(zip(ids, masks))
+    if len(rows) < 2 * args.heldout_rows:
+        raise SystemExit(f"{args.data}: {len(rows)} rows; need at least {2 * args.heldout_rows} "
+                         f"(the last --heldout-rows {args.heldout_rows} are held out)")
+    held, train = rows[-args.heldout_rows:], rows[: -args.heldout_rows]
     layer_ids = default_target_layer_ids(target.num_layers, 5)
     hb = collate([r[0] for r in held], [r[1] for r in held], None)
     held_taps = round_to_storage(online_taps(target, hb, tuple(layer_ids)))
@@ -107,24 +108,23 @@ def main() -> None:
     drafter = drafter.to(dev)
     head = OutputHead(target.model.lm_head.weight, drafter.draft_vocab)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0)
-    total = [10 ** 9]  # set after the probe steps
     warm = max(1, args.probe_steps)
+    total = 10 ** 9  # until the probe steps have measured the step rate
+    factor = lambda s: min(1.0, (s + 1) / warm)  # linear warm-up over the probe steps, then cosine
 
-    def factor(step):
-        return warmup_cosine(total[0], warm / total[0])(step) if total[0] < 10 ** 9 else min(1.0, (step + 1) / warm)
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: factor(s))
     gen = torch.Generator().manual_seed(args.seed)
     rng = random.Random(args.seed)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir / "train_log.jsonl", "w")
+
     def evaluate(step, seconds):
-        row = {"step": step} | heldout_metrics(drafter, head) | {"seconds": round(seconds, 1), "total_steps": total[0]}
+        row = {"step": step} | heldout_metrics(drafter, head) | {"seconds": round(seconds, 1), "total_steps": total}
         acc = row["eval_accuracy"]
         log.write(json.dumps(row) + "\n")
         log.flush()
-        print(f"step {step}/{total[0]}: eval loss {row['eval_loss']:.3f} implied tau {row['eval_implied_tau']:.3f} "
+        print(f"step {step}/{total}: eval loss {row['eval_loss']:.3f} implied tau {row['eval_implied_tau']:.3f} "
               f"acc {acc[:4]} ({seconds:.0f}s)", flush=True)
 
     print(f"{len(train)} training rows, {len(held)} held out; setup {time.perf_counter() - t_start:.0f}s", flush=True)
@@ -133,7 +133,7 @@ def main() -> None:
     t0 = time.perf_counter()
     step, epoch, t_half = 0, 0, 0.0
     drafter.train()
-    while step < total[0]:
+    while step < total:
         rng.shuffle(groups)
         for g in groups:
             mb = collate([train[i][0] for i in g], [train[i][1] for i in g], None)
@@ -153,14 +153,15 @@ def main() -> None:
                 t_half = elapsed  # the first steps include warm-up (allocator, kernels): not timed
             if step == args.probe_steps:
                 rate = (step - args.probe_steps // 2) / max(elapsed - t_half, 1e-9)
-                total[0] = max(step + 1, int(rate * (args.seconds - (time.perf_counter() - t_start))))
-                print(f"{rate:.1f} steps/s: schedule set to {total[0]} steps", flush=True)
+                total = max(step + 1, int(rate * (args.seconds - (time.perf_counter() - t_start))))
+                factor = warmup_cosine(total, warm / total)
+                print(f"{rate:.1f} steps/s: schedule set to {total} steps", flush=True)
             if step % 50 == 0:
                 log.write(json.dumps({"step": step, "loss": round(out.loss.item(), 4), "epoch": epoch,
                                       "lr": sched.get_last_lr()[0]}) + "\n")
             if step % args.eval_every == 0:
                 evaluate(step, elapsed)
-            if step >= total[0]:
+            if step >= total:
                 break
         epoch += 1
     evaluate(step, time.perf_counter() - t0)

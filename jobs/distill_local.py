@@ -32,6 +32,7 @@ PLAN_FORMAT = 1
 
 def write_plan(cfg, path: Path) -> dict:
     """cfg: a validated pipelines.distill.DistillConfig."""
+    from dflash.data import METADATA_KEY
     from pipelines.distill import prepare_run
 
     run = prepare_run(cfg)
@@ -39,11 +40,10 @@ def write_plan(cfg, path: Path) -> dict:
     doc = {
         "format": PLAN_FORMAT,
         "fingerprint": run.fingerprint,
-        "output_dir": str(run.out),
         "shard_size": cfg.shard_size,
         "spec": {"target": spec.target, "dtype": spec.dtype, "seed": spec.seed, "batch_size": spec.batch_size,
                  "params": dataclasses.asdict(spec.params),
-                 "metadata": json.loads(spec.metadata.encode()[b"dflash"])},
+                 "metadata": json.loads(spec.metadata.encode()[METADATA_KEY])},
         "shards": run.shards,
     }
     path.parent.mkdir(parents=True, exist_ok=True)

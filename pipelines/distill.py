@@ -346,14 +346,12 @@ class PreparedRun:
     plan: Plan
     shards: list[list[dict]]  # shard i = plan.samples[i*shard_size : (i+1)*shard_size]
 
-    def worker_spec(self, cfg: DistillConfig, **overrides) -> "WorkerSpec":
+    def worker_spec(self, cfg: DistillConfig) -> "WorkerSpec":
         from pipelines.distill_worker import WorkerSpec
 
-        threads = max(1, math.floor(cfg.num_cpus_per_actor))
-        fields = dict(target=cfg.target, dtype=cfg.dtype, device=cfg.device, output_dir=str(self.out),
-                      metadata=self.meta, params=cfg.generation(), seed=cfg.seed, batch_size=cfg.batch_size,
-                      torch_threads=threads)
-        return WorkerSpec(**(fields | overrides))
+        return WorkerSpec(target=cfg.target, dtype=cfg.dtype, device=cfg.device, output_dir=str(self.out),
+                          metadata=self.meta, params=cfg.generation(), seed=cfg.seed, batch_size=cfg.batch_size,
+                          torch_threads=max(1, math.floor(cfg.num_cpus_per_actor)))
 
 
 def prepare_run(cfg: DistillConfig) -> PreparedRun:
