@@ -9,7 +9,9 @@ One cycle for every in-flight sequence (block size B):
   4. commit  keep the anchor and accepted drafts in both caches, drop the rest; the
              bonus token becomes the next anchor.
 Plain autoregressive decoding is the same loop with no drafter (B = 1: verify the anchor,
-emit the bonus), so the baseline shares every line of bookkeeping.
+emit the bonus), so the baseline shares every line of bookkeeping. With context lookup
+(dflash.lookup), a sequence whose last tokens occurred earlier drafts a copy of what
+followed them instead of step 1's block; that cycle verifies the wider of the two.
 
 Cache layout. Sequences in a batch accept different numbers of tokens, so slots are not
 positions. Both the target's KV cache and the drafter's context cache have the same S
@@ -33,6 +35,7 @@ import torch
 from transformers import DynamicCache
 
 from dflash.drafter import DFlashDrafter, OutputHead, concat_context
+from dflash.lookup import LookupConfig, NgramIndex
 from dflash.masks import causal_attention_mask, extend_attention_mask
 from dflash.sampling import VERIFY_RULES, sample_from, token_probs, verify_match, verify_rejection
 from dflash.target import Target
@@ -66,6 +69,7 @@ class RequestStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # accepted + 1, per cycle
+    lookup_cycles: int = 0  # cycles whose draft was copied from the context (dflash.lookup)
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -77,7 +81,7 @@ class RequestStats:
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
 
     def histogram(self) -> list[int]:
-        """counts[i] = cycles that emitted i+1 tokens, i in 0..B-1."""
+        """counts[i] = cycles that emitted i+1 tokens, i in 0..block_size-1 (the widest cycle)."""
         counts = [0] * self.block_size
         for n in self.acceptance_lengths:
             counts[min(n, self.block_size) - 1] += 1
@@ -88,6 +92,7 @@ class RequestStats:
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "cycles": len(self.acceptance_lengths),
+            "lookup_cycles": self.lookup_cycles,
             "tau": round(self.tau, 4),
             "acceptance_lengths": list(self.acceptance_lengths),
             "acceptance_histogram": self.histogram(),
@@ -110,6 +115,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     started: float = field(default_factory=time.perf_counter)
+    lookup: NgramIndex | None = None  # prompt + output, for context lookup drafts
 
     @property
     def finished(self) -> bool:
@@ -123,6 +129,8 @@ class Request:
                 break
             self.output_ids.append(tok)
             added.append(tok)
+            if self.lookup is not None:
+                self.lookup.extend([tok])
             if tok in stop_ids:
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.params.max_new_tokens:
@@ -207,20 +215,23 @@ def merge(a: DecodeBatch, b: DecodeBatch) -> DecodeBatch:
 
 
 class SpeculativeDecoder:
-    """Target (+ optional DFlash drafter) -> batched lossless decoding.
+    """Target (+ optional DFlash drafter, + optional context lookup) -> batched lossless decoding.
 
     verify: "rejection" (default; accepts more at T > 0) or "match"; greedy requests are
     exact under either. block_size defaults to the drafter's decode_block_size (its training
-    block size unless its config says otherwise); 1 without a drafter.
+    block size unless its config says otherwise); 1 without a drafter. lookup: a sequence
+    whose last tokens occurred earlier drafts lookup.num_tokens copied tokens instead
+    (dflash.lookup); a cycle where any sequence does verifies max_width tokens, else block_size.
     """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None,
-                 verify: str = "rejection", block_size: int | None = None):
+                 verify: str = "rejection", block_size: int | None = None, lookup: LookupConfig | None = None):
         if verify not in VERIFY_RULES:
             raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
         self.target = target
         self.drafter = drafter.eval().requires_grad_(False) if drafter is not None else None
         self.verify = verify
+        self.lookup = lookup
         if drafter is None:
             self.block_size = 1
         else:
@@ -232,6 +243,7 @@ class SpeculativeDecoder:
             self.tap_ids = cfg.target_layer_ids
             self.mask_token_id = cfg.mask_token_id
             self.head = OutputHead(target.model.lm_head.weight, drafter.draft_vocab)
+        self.max_width = max(self.block_size, lookup.num_tokens + 1 if lookup else 1)  # tokens per verify
         self.stop_token_ids = set(target.stop_token_ids)
         self.max_positions = getattr(target.config, "max_position_embeddings", 1 << 30)
 
@@ -263,7 +275,7 @@ class SpeculativeDecoder:
         for p, sp in zip(prompts, params):
             if not p:
                 raise ValueError("empty prompt: at least one token is needed")
-            if len(p) + sp.max_new_tokens + self.block_size > self.max_positions:
+            if len(p) + sp.max_new_tokens + self.max_width > self.max_positions:
                 raise ValueError(f"prompt of {len(p)} tokens + max_new_tokens {sp.max_new_tokens} exceeds the "
                                  f"target's context of {self.max_positions} tokens")
         t0 = time.perf_counter()
@@ -271,7 +283,9 @@ class SpeculativeDecoder:
         for p, sp in zip(prompts, params):
             g = torch.Generator()
             g.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-            requests.append(Request(list(p), sp, RequestStats(self.block_size, prompt_tokens=len(p)), g, started=t0))
+            index = NgramIndex(self.lookup, p) if self.lookup is not None else None
+            requests.append(Request(list(p), sp, RequestStats(self.max_width, prompt_tokens=len(p)), g,
+                                    started=t0, lookup=index))
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lens.max())
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
@@ -311,28 +325,52 @@ class SpeculativeDecoder:
                               extend_attention_mask(batch.slot_valid, B, causal=False))
         return self.head.full(self.head.logits(hidden[:, 1:]))
 
+    def _draft(self, batch: DecodeBatch, temps, top_ps, u) -> tuple[torch.Tensor | None, torch.Tensor | None, list[bool]]:
+        """This cycle's drafts (b, W-1), the distributions they were drawn from (b, W-1, V)
+        and which rows copied theirs from the context; W is this cycle's verify width
+        (max_width if any row copies, else block_size; drafts None when W = 1).
+
+        A copying row drafts its copy with probability one. The other rows draft with the
+        drafter; slots past its block repeat its last draft with probability one. Every
+        draft depends on the context alone, which is what the rejection rule needs."""
+        b, B = len(batch), self.block_size
+        copies = [r.lookup.propose() if r.lookup is not None else None for r in batch.requests]
+        copied = [c is not None for c in copies]
+        W = self.max_width if any(copied) else B
+        if W == 1:
+            return None, None, copied
+        draft = batch.anchor[:, None].repeat(1, W - 1)  # placeholders, overwritten below
+        q_drafter = None
+        if self.drafter is not None and not all(copied):
+            q_drafter = token_probs(self.draft_logits(batch), temps, top_ps)  # (b, B-1, V)
+            d = sample_from(q_drafter, u[:, : B - 1]) if self.verify == "rejection" else q_drafter.argmax(-1)
+            draft[:, : B - 1] = d
+            draft[:, B - 1:] = d[:, -1:]
+        for i, c in enumerate(copies):
+            if c is not None:
+                c = (c + c[-1:] * W)[: W - 1]
+                draft[i] = torch.tensor(c, device=self.device)
+        q = torch.zeros(b, W - 1, self.target.vocab_size, device=self.device).scatter_(-1, draft[..., None], 1.0)
+        if q_drafter is not None:
+            rows = torch.tensor([not c for c in copied], device=self.device)
+            q[rows, : B - 1] = q_drafter[rows]
+        return draft, q, copied
+
     @torch.no_grad()
     def step(self, batch: DecodeBatch) -> list[list[int]]:
         """Draft, verify, accept, commit. Returns the tokens each request emitted this cycle.
 
         Finished requests must have been removed (see `generate` / `drop_finished`).
         """
-        b, B = len(batch), self.block_size
+        b = len(batch)
         temps, top_ps = self._param_tensors(batch.requests)
-        u = self._uniforms(batch, 3 * B)  # draft sampling | acceptance | target/bonus draws
-        positions = batch.next_pos[:, None] + torch.arange(B, device=self.device)  # (b, B)
+        u = self._uniforms(batch, 3 * self.max_width)  # draft sampling | acceptance | target/bonus draws
 
         t0 = time.perf_counter()
-        q = draft = None
-        if self.drafter is not None:
-            q = token_probs(self.draft_logits(batch), temps, top_ps)  # (b, B-1, V)
-            if self.verify == "rejection":
-                draft = sample_from(q, u[:, : B - 1])
-            else:
-                draft = q.argmax(-1)
-            verify_ids = torch.cat([batch.anchor[:, None], draft], dim=1)
-        else:
-            verify_ids = batch.anchor[:, None]
+        draft, q, copied = self._draft(batch, temps, top_ps, u)
+        B = 1 if draft is None else draft.shape[1] + 1  # this cycle's verify width
+        positions = batch.next_pos[:, None] + torch.arange(B, device=self.device)  # (b, B)
+        verify_ids = batch.anchor[:, None] if draft is None else torch.cat([batch.anchor[:, None], draft], dim=1)
         self._sync()
         t1 = time.perf_counter()
         out = self.target.forward(verify_ids, positions, extend_attention_mask(batch.slot_valid, B, causal=True),
@@ -368,6 +406,7 @@ class SpeculativeDecoder:
         for i, r in enumerate(batch.requests):
             n = int(n_acc[i])
             r.stats.acceptance_lengths.append(n + 1)
+            r.stats.lookup_cycles += copied[i]
             r.stats.draft_time_s += t1 - t0
             r.stats.verify_time_s += t2 - t1
             emitted.append(r.emit(draft_list[i][:n] + [int(bonus[i])], self.stop_token_ids | set(r.params.stop_token_ids)))

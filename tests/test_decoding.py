@@ -13,6 +13,7 @@ import torch
 from dflash.config import DrafterConfig
 from dflash.decoding import SamplingParams, SpeculativeDecoder, compact, merge
 from dflash.drafter import DFlashDrafter
+from dflash.lookup import LookupConfig
 from dflash.masks import causal_attention_mask
 from dflash.target import choose_mask_token_id
 from support import CHAT_PROMPTS, chat_prompt_ids, hf_greedy
@@ -108,6 +109,36 @@ def test_dflash_greedy_bf16_emits_target_argmax(target_bf16, prompts, random_dra
     for p, r in zip(prompts, out):
         margins = _rescore_margins(target_bf16, p, r.output_ids)
         worst = max(worst, float(margins.max()))
+    assert worst <= BF16_MARGIN, f"an emitted token was {worst:.3f} logits below the target's argmax"
+
+
+@pytest.mark.parametrize("which,lookup,batch_size", [
+    ("random", LookupConfig(), 4),  # drafter block 16 > lookup width 8: copies padded
+    ("trained", LookupConfig(num_tokens=11), 4),  # lookup width 12 > block 8: drafter rows padded
+    ("trained", LookupConfig(num_tokens=3, min_ngram=1), 1),
+    ("none", LookupConfig(), 4),  # lookup alone
+])
+def test_context_lookup_is_lossless_fp32(target_fp32, prompts, reference, random_drafter, trained, which, lookup,
+                                         batch_size):
+    """Copied and drafted cycles, ragged within one batch, equal greedy AR token for token."""
+    drafter = {"random": random_drafter, "trained": trained[0], "none": None}[which]
+    dec = SpeculativeDecoder(target_fp32, drafter, lookup=lookup)
+    out = dec.generate(prompts, SamplingParams(MAX_NEW), batch_size=batch_size)
+    assert [r.output_ids for r in out] == reference
+    copied = sum(r.stats.lookup_cycles for r in out)
+    cycles = sum(len(r.stats.acceptance_lengths) for r in out)
+    assert 0 < copied < cycles, "both kinds of cycle must occur for the test to mean something"
+    assert max(n for r in out for n in r.stats.acceptance_lengths) > 1
+
+
+def test_context_lookup_bf16_emits_target_argmax(target_bf16, prompts):
+    from dflash.checkpoint import load_drafter, resolve_drafter
+
+    drafter = load_drafter(resolve_drafter("default", target_bf16.target_id), target=target_bf16, dtype="bf16")
+    out = SpeculativeDecoder(target_bf16, drafter, lookup=LookupConfig()).generate(
+        prompts, SamplingParams(MAX_NEW), batch_size=4)
+    assert sum(r.stats.lookup_cycles for r in out) > 0
+    worst = max(float(_rescore_margins(target_bf16, p, r.output_ids).max()) for p, r in zip(prompts, out))
     assert worst <= BF16_MARGIN, f"an emitted token was {worst:.3f} logits below the target's argmax"
 
 

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dflash.config import DrafterConfig
 from dflash.decoding import SamplingParams, SpeculativeDecoder
 from dflash.drafter import DFlashDrafter
+from dflash.lookup import LookupConfig
 from dflash.masks import causal_attention_mask
 from dflash.sampling import accepted_prefix_length, sample_from, token_probs, verify_match, verify_rejection
 from dflash.target import Target
@@ -183,6 +184,29 @@ def test_sampling_is_lossless_in_distribution(tiny, rule):
             p_x2[b_] += pr
     p_x2 /= p_x2.sum()
     assert 0.5 * (q - p_x2).abs().sum() > 0.2
+
+
+@pytest.mark.parametrize("rule,with_drafter,lookup", [
+    ("rejection", True, LookupConfig(num_tokens=2, max_ngram=2, min_ngram=1)),  # width 3 < block 4
+    ("match", True, LookupConfig(num_tokens=5, max_ngram=2, min_ngram=1)),  # width 6 > block 4
+    ("rejection", False, LookupConfig(num_tokens=2, max_ngram=2, min_ngram=1)),  # lookup alone
+])
+def test_context_lookup_is_lossless_in_distribution(tiny, rule, with_drafter, lookup):
+    """Copied drafts are proposals with probability one: the samples keep the target's law."""
+    target, drafter = tiny
+    exact = _exact_joint(target)
+    n = 6000
+    dec = SpeculativeDecoder(target, drafter if with_drafter else None, verify=rule, lookup=lookup)
+    params = [SamplingParams(max_new_tokens=N_TOKENS, temperature=1.0, seed=20_000 + i) for i in range(n)]
+    out = dec.generate([PROMPT] * n, params, batch_size=1000)
+    counts: dict[tuple, int] = {}
+    for r in out:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    stat, df = _chi_square(counts, exact, n)
+    assert stat < _critical(df), f"{rule}: chi2 {stat:.1f} with {df} df"
+    copied = sum(r.stats.lookup_cycles for r in out)
+    accepted = sum(a - 1 for r in out for a in r.stats.acceptance_lengths)
+    assert copied > n // 4 and accepted > n // 10, "copies must be drafted and accepted often"
 
 
 def test_plain_sampling_matches_exact_distribution(tiny):
