@@ -2,7 +2,8 @@
 
 Both run in the same process, on the same prompts, one prompt at a time (latency, the
 regime speculative decoding is for), after a warm-up; transformers' prompt-lookup decoding
-(n-gram drafts copied from the prompt) can run beside them as a peer baseline. Reported per run: tau, acceptance
+(n-gram drafts copied from the prompt) can run beside them as a peer baseline, and with
+context lookup on, DFlash without it as the ablation. Reported per run: tau, acceptance
 histogram, tokens/s of each, speedup, the exact-match rate against AR, and `lossless`:
   fp32 greedy  every DFlash output equals the AR output token for token;
   bf16 greedy  every emitted token is the target's argmax given the emitted prefix, up to
@@ -14,10 +15,12 @@ histogram, tokens/s of each, speedup, the exact-match rate against AR, and `loss
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 import torch
 
 from dflash.decoding import SamplingParams, SpeculativeDecoder
+from dflash.lookup import LookupConfig
 from dflash.masks import causal_attention_mask
 from dflash.target import Target
 
@@ -52,13 +55,14 @@ def _prompt_lookup(target: Target, prompt: list[int], max_new_tokens: int, tempe
     return out[0, len(prompt):].tolist(), time.perf_counter() - t0
 
 
-def fp32_exact_check(target: Target, drafter, prompts: list[list[int]], max_new_tokens: int) -> bool:
+def fp32_exact_check(target: Target, drafter, prompts: list[list[int]], max_new_tokens: int,
+                     lookup: LookupConfig | None = None) -> bool:
     """Greedy DFlash output == greedy AR output, token for token (meaningful in fp32 only)."""
     if target.dtype != torch.float32:
         raise ValueError("the token-for-token check needs an fp32 target (bf16 verify rounds differently)")
     params = SamplingParams(max_new_tokens)
     ar = SpeculativeDecoder(target).generate(prompts, params, batch_size=1)
-    spec = SpeculativeDecoder(target, drafter).generate(prompts, params, batch_size=1)
+    spec = SpeculativeDecoder(target, drafter, lookup=lookup).generate(prompts, params, batch_size=1)
     return all(a.output_ids == d.output_ids for a, d in zip(ar, spec))
 
 
@@ -74,23 +78,33 @@ def run_bench(
     margin: float = BF16_MARGIN,
     progress=None,
     block_size: int | None = None,
+    lookup: LookupConfig | None = None,
+    drafter_only: bool = False,
 ) -> dict:
     """AR vs DFlash on `prompts` (token ids). Returns a JSON-ready summary dict.
-    block_size overrides the drafter's (drafting fewer tokens than it was trained for)."""
+    block_size overrides the drafter's (drafting fewer tokens than it was trained for).
+    lookup: DFlash cycles copy from the context when they can (dflash.lookup); drafter_only
+    also times the drafter without lookup (the ablation, `drafter_only_*` fields)."""
     ar = SpeculativeDecoder(target)
-    spec = SpeculativeDecoder(target, drafter, block_size=block_size)
+    spec = SpeculativeDecoder(target, drafter, block_size=block_size, lookup=lookup)
+    alone = SpeculativeDecoder(target, drafter, block_size=block_size) if drafter_only and lookup else None
     B = spec.block_size
     params = [SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i) for i in range(len(prompts))]
     # warm-up (allocator, kernels): not timed
     ar.generate([prompts[0]], SamplingParams(4))
     spec.generate([prompts[0]], SamplingParams(4))
+    if alone:
+        alone.generate([prompts[0]], SamplingParams(4))
     if prompt_lookup:
         _prompt_lookup(target, prompts[0], 4)
 
     ar_tokens = spec_tokens = pl_tokens = 0
     ar_time = spec_time = pl_time = draft_time = verify_time = 0.0
-    hist = [0] * B
+    hist = [0] * spec.max_width
     accept_lengths: list[int] = []
+    lookup_cycles = alone_tokens = 0
+    alone_time = 0.0
+    alone_lengths: list[int] = []
     exact = 0
     worst_margin = 0.0
     pl_exact = 0
@@ -105,6 +119,7 @@ def run_bench(
         draft_time += d.stats.draft_time_s
         verify_time += d.stats.verify_time_s
         accept_lengths += d.stats.acceptance_lengths
+        lookup_cycles += d.stats.lookup_cycles
         for k, c in enumerate(d.stats.histogram()):
             hist[k] += c
         same = a.output_ids == d.output_ids
@@ -113,6 +128,12 @@ def run_bench(
             worst_margin = max(worst_margin, float(emitted_token_margins(target, p, d.output_ids).max()))
         row = {"prompt_tokens": len(p), "ar_tokens": len(a.output_ids), "dflash_tokens": len(d.output_ids),
                "tau": round(d.stats.tau, 3), "exact_match": same}
+        if alone:
+            o = alone.generate([p], [sp])[0]
+            alone_tokens += len(o.output_ids)
+            alone_time += o.stats.total_time_s
+            alone_lengths += o.stats.acceptance_lengths
+            row["drafter_only_tau"] = round(o.stats.tau, 3)
         if prompt_lookup:
             out, dt = _prompt_lookup(target, p, max_new_tokens, temperature, top_p, sp.seed)
             pl_tokens += len(out)
@@ -138,6 +159,8 @@ def run_bench(
         "dtype": str(target.dtype).replace("torch.", ""),
         "device": str(target.device),
         "block_size": B,
+        "lookup": asdict(lookup) if lookup else None,
+        "lookup_cycle_fraction": round(lookup_cycles / len(accept_lengths), 4) if accept_lengths else 0.0,
         "tau": round(sum(accept_lengths) / len(accept_lengths), 4) if accept_lengths else 0.0,
         "acceptance_histogram": hist,
         "ar_tokens_per_s": round(ar_tps, 3),
@@ -151,6 +174,10 @@ def run_bench(
         "verify_time_per_cycle_ms": round(1000 * verify_time / max(1, len(accept_lengths)), 3),
         "per_prompt": per_prompt,
     }
+    if alone:
+        result["drafter_only_tau"] = round(sum(alone_lengths) / len(alone_lengths), 4) if alone_lengths else 0.0
+        result["drafter_only_tokens_per_s"] = round(alone_tokens / alone_time, 3) if alone_time else 0.0
+        result["drafter_only_speedup"] = round((alone_tokens / alone_time) / ar_tps, 4) if alone_time and ar_tps else 0.0
     if prompt_lookup:
         result["prompt_lookup_tokens_per_s"] = round(pl_tokens / pl_time, 3) if pl_time else 0.0
         result["prompt_lookup_speedup"] = round((pl_tokens / pl_time) / ar_tps, 4) if pl_time and ar_tps else 0.0

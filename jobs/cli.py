@@ -92,6 +92,18 @@ def _set_threads(n: int | None):
         torch.set_num_threads(n)
 
 
+def _lookup(args, drafter):
+    """Context lookup for DFlash cycles (--lookup, on by default); none without a drafter."""
+    from dflash.lookup import LookupConfig
+
+    if not args.lookup or drafter is None:
+        return None
+    try:
+        return LookupConfig(num_tokens=args.lookup_tokens)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+
+
 # --- generate ---------------------------------------------------------------------------
 
 def cmd_generate(args) -> int:
@@ -103,9 +115,10 @@ def cmd_generate(args) -> int:
     ids = _prompt_ids(target, args.prompt, args.chat)
     if not ids:
         raise UserError("the prompt is empty after tokenization")
+    lookup = _lookup(args, drafter)
     try:
         params = SamplingParams(args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        dec = SpeculativeDecoder(target, drafter, verify=args.verify, block_size=args.block_size)
+        dec = SpeculativeDecoder(target, drafter, verify=args.verify, block_size=args.block_size, lookup=lookup)
         req = dec.generate([ids], [params])[0]
     except ValueError as e:
         raise UserError(str(e)) from e
@@ -165,6 +178,7 @@ def cmd_bench(args) -> int:
     drafter, drafter_name = _load_drafter(args.drafter, target, args, fallback="random")
     if drafter is None:
         raise UserError("bench compares DFlash with AR: it needs a drafter (a directory, 'default' or 'random')")
+    lookup = _lookup(args, drafter)
     results = []
     for name, convs in sets:
         convs = convs[: args.limit] if args.limit else convs
@@ -179,7 +193,7 @@ def cmd_bench(args) -> int:
             try:
                 r = run_bench(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=temp,
                               top_p=args.top_p, seed=args.seed, prompt_lookup=args.prompt_lookup, progress=progress,
-                              block_size=args.block_size)
+                              block_size=args.block_size, lookup=lookup, drafter_only=args.drafter_only)
             except ValueError as e:  # e.g. a prompt longer than the target's context
                 raise UserError(f"{name}: {e}") from e
             results.append({"dataset": name, "target": target.target_id, "drafter": drafter_name, **r})
@@ -193,7 +207,7 @@ def cmd_bench(args) -> int:
         print(f"[bench] wrote {', '.join(files.values())}", file=sys.stderr)
     print(table, file=sys.stderr)
     keys = ("dataset", "temperature", "tau", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
-            "prompt_lookup_speedup", "exact_match_rate", "lossless")
+            "lookup_cycle_fraction", "drafter_only_speedup", "prompt_lookup_speedup", "exact_match_rate", "lossless")
     rows = [{k: r.get(k) for k in keys} for r in results]
     print(json.dumps(rows if len(rows) > 1 else rows[0]))
     return 0
@@ -265,6 +279,10 @@ def _target_flags(p):
     p.add_argument("--verify", default="rejection", choices=["rejection", "match"],
                    help="lossless rule at temperature > 0")
     p.add_argument("--block-size", type=int, default=None, help="override the drafter's decode block size")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                   help="context lookup (with a drafter; default on): a sequence whose last 2-3 tokens occurred "
+                        "earlier drafts the tokens that followed them instead of the drafter's (lossless)")
+    p.add_argument("--lookup-tokens", type=int, default=7, help="tokens per copied draft (default 7)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -286,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--dataset", help="mt-bench, humaneval, aime24, math500, sharegpt-heldout; "
                      "comma-separated, or 'all'")
     p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--drafter-only", action="store_true",
+                   help="with --lookup, also time DFlash without it (the ablation: drafter_only_* fields)")
     p.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=True,
                    help="also run transformers' prompt-lookup decoding (a peer baseline; default on)")
     p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default: --temperature "

@@ -155,6 +155,7 @@ class DFlashServer:
 
         from dflash.checkpoint import load_drafter, resolve_drafter
         from dflash.decoding import SpeculativeDecoder
+        from dflash.lookup import LookupConfig
         from dflash.target import load_target
 
         torch.set_num_threads(cfg.torch_threads)
@@ -166,12 +167,14 @@ class DFlashServer:
         self.drafter_name = str(path) if path is not None else None
         if path is not None:  # CheckpointError names the mismatch: the replica refuses to start
             drafter = load_drafter(path, target=self.target, device=cfg.device, dtype=cfg.dtype)
-        decoder = SpeculativeDecoder(self.target, drafter, verify=cfg.verify)
-        self.metrics = ReplicaMetrics(decoder.block_size)
+        lookup = LookupConfig(num_tokens=cfg.lookup_tokens) if cfg.lookup and drafter is not None else None
+        decoder = SpeculativeDecoder(self.target, drafter, verify=cfg.verify, lookup=lookup)
+        self.metrics = ReplicaMetrics(decoder.max_width)
         self.engine = BatchingEngine(decoder, cfg.max_batch_size, cfg.max_context_tokens, self.metrics.on_step)
         self.model_name = cfg.model_name or self.target.target_id
         self.created = int(time.time())
-        log.info("replica ready: %s drafter=%s block=%d", self.model_name, self.drafter_name, decoder.block_size)
+        log.info("replica ready: %s drafter=%s block=%d lookup=%s", self.model_name, self.drafter_name,
+                 decoder.block_size, lookup)
 
     # --- plumbing -------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:

@@ -41,6 +41,8 @@ class ServeConfig:
     dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
     device: str = "cpu"  # "cpu" or "cuda"
     verify: Literal["rejection", "match"] = "rejection"
+    lookup: bool = True  # with a drafter: copy drafts from the context when it repeats (dflash.lookup)
+    lookup_tokens: int = 7  # tokens per copied draft
     model_name: str | None = None  # the id /v1/models reports; default: the target id
     # HTTP
     host: str = "127.0.0.1"
@@ -70,6 +72,8 @@ class ServeConfig:
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.lookup_tokens < 1:
+            raise ValueError(f"lookup_tokens must be >= 1, got {self.lookup_tokens}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_ongoing_requests < 1:

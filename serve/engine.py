@@ -116,7 +116,7 @@ class BatchingEngine:
 
     def room(self, prompt_len: int) -> int:
         """Largest max_new_tokens a prompt of this length may ask for (< 1: prompt too long)."""
-        return self.context_budget - prompt_len - self.decoder.block_size
+        return self.context_budget - prompt_len - self.decoder.max_width
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Queue a request; the loop admits it at its next iteration."""

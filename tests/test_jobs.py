@@ -151,26 +151,29 @@ def test_cli_bad_input_is_one_line_nonzero_and_overwrites_nothing(capsys, tmp_pa
 
 
 def test_generate_decodes_with_the_shipped_drafter_by_default(capsys, target_fp32):
-    """No --drafter: the reference drafter of the default target (at its decode block of 4),
-    plain AR with 'none' or on a target with no shipped drafter; the same tokens every way (fp32)."""
+    """No --drafter: the reference drafter of the default target (at its decode block of 4,
+    with context lookup), plain AR with 'none' or on a target with no shipped drafter; the
+    same tokens every way (fp32)."""
     from dflash.checkpoint import reference_drafter_dir
 
     args = ["generate", "--chat", "--prompt", "Name three colors.", "--dtype", "fp32", "--max-new-tokens", "16",
             "--json", "--threads", "1"]
     runs = {}
-    for name, extra in [("auto", []), ("none", ["--drafter", "none"]),
+    for name, extra in [("auto", []), ("no-lookup", ["--no-lookup"]), ("none", ["--drafter", "none"]),
                         ("other", ["--target", str(target_fp32.model.name_or_path)])]:
         rc, out, err = run_cli(capsys, *args, *extra)
         assert rc == 0, err
         runs[name] = (json.loads(out), err)
-    auto, none, other = (runs[k][0] for k in ("auto", "none", "other"))
-    assert auto["drafter"] == str(reference_drafter_dir(target_fp32.target_id))
-    assert len(auto["stats"]["acceptance_histogram"]) == 4  # blocks of 4: accept 1..4 per cycle
-    assert max(auto["stats"]["acceptance_lengths"]) > 1  # some drafts were accepted
+    auto, plain, none, other = (runs[k][0] for k in ("auto", "no-lookup", "none", "other"))
+    assert auto["drafter"] == plain["drafter"] == str(reference_drafter_dir(target_fp32.target_id))
+    assert len(auto["stats"]["acceptance_histogram"]) == 8  # copied drafts of 7: emit 1..8 per cycle
+    assert len(plain["stats"]["acceptance_histogram"]) == 4  # blocks of 4: emit 1..4 per cycle
+    assert plain["stats"]["lookup_cycles"] == 0
+    assert max(plain["stats"]["acceptance_lengths"]) > 1  # some drafts were accepted
     assert none["drafter"] is None and other["drafter"] is None
     assert set(none["stats"]["acceptance_lengths"]) == {1}
     assert "no reference drafter ships for hf:" in runs["other"][1]
-    assert auto["token_ids"] == none["token_ids"] == other["token_ids"]
+    assert auto["token_ids"] == plain["token_ids"] == none["token_ids"] == other["token_ids"]
 
 
 def test_bench_on_two_prompts_writes_every_field_and_plot(capsys, tmp_path):
@@ -179,19 +182,23 @@ def test_bench_on_two_prompts_writes_every_field_and_plot(capsys, tmp_path):
                        + json.dumps({"messages": [{"role": "user", "content": "Name a color."}]}) + "\n")
     out = tmp_path / "bench"
     rc, stdout, err = run_cli(capsys, "bench", "--prompts", str(prompts), "--drafter", "random", "--dtype", "fp32",
-                              "--block-size", "4", "--max-new-tokens", "8", "--out", str(out), "--threads", "1")
+                              "--block-size", "4", "--max-new-tokens", "8", "--out", str(out), "--threads", "1",
+                              "--drafter-only")
     assert rc == 0, err
     doc = json.loads((out / "bench.json").read_text())
     runs = doc["runs"]
     assert [r["temperature"] for r in runs] == [0.0, 1.0]  # both by default
     fields = ("num_prompts", "tau", "acceptance_histogram", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
               "exact_match_rate", "lossless", "prompt_lookup_tokens_per_s", "prompt_lookup_speedup",
-              "draft_time_per_cycle_ms", "verify_time_per_cycle_ms", "per_prompt")
+              "draft_time_per_cycle_ms", "verify_time_per_cycle_ms", "per_prompt", "lookup", "lookup_cycle_fraction",
+              "drafter_only_tau", "drafter_only_speedup")
     for r in runs:
         missing = [f for f in fields if f not in r]
         assert not missing, missing
         assert r["num_prompts"] == 2 and len(r["per_prompt"]) == 2 and r["dataset"] == "two.jsonl"
-        assert 1.0 <= r["tau"] <= 4 and len(r["acceptance_histogram"]) == 4 and sum(r["acceptance_histogram"]) > 0
+        assert 1.0 <= r["tau"] <= 8 and len(r["acceptance_histogram"]) == 8 and sum(r["acceptance_histogram"]) > 0
+        assert r["lookup"]["num_tokens"] == 7 and 0 <= r["lookup_cycle_fraction"] <= 1
+        assert 1.0 <= r["drafter_only_tau"] <= 4 and r["drafter_only_speedup"] > 0
         assert r["ar_tokens_per_s"] > 0 and r["dflash_tokens_per_s"] > 0 and r["prompt_lookup_tokens_per_s"] > 0
         assert r["speedup"] == pytest.approx(r["dflash_tokens_per_s"] / r["ar_tokens_per_s"], rel=1e-3)
     greedy, sampled = runs
