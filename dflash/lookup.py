@@ -2,7 +2,7 @@
 
 Small targets decoding greedily repeat themselves, and code copies identifiers from the
 prompt, while the DFlash drafter does not learn to copy from its injected context (its
-first-token accuracy is no higher where the text repeats). Measured on the default
+first-token accuracy is no higher where a copy would have been right). Measured on the default
 target's greedy answers (6 prompts, 128 new tokens each, every response position
 teacher-forced): the last 2-3 tokens had occurred before at 24% of positions on mt-bench
 and 58% on humaneval, and copying there while drafting with the drafter elsewhere would
