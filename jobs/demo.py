@@ -172,8 +172,8 @@ def serve_one_request(cfg: DemoConfig, drafter_dir: str) -> dict:
     from serve.config import ServeConfig
 
     port = cfg.port or _free_port()
-    scfg = ServeConfig(target=cfg.target, drafter=drafter_dir, dtype=cfg.dtype, port=port, app_name="dflash-demo",
-                       min_replicas=1, max_replicas=1, num_cpus_per_replica=0.5)
+    scfg = ServeConfig(target=cfg.target, drafter=drafter_dir, dtype=cfg.dtype, lookup=cfg.lookup, port=port,
+                       app_name="dflash-demo", min_replicas=1, max_replicas=1, num_cpus_per_replica=0.5)
     serve.start(http_options={"host": scfg.host, "port": port})
     try:
         serve.run(build_app(scfg), name=scfg.app_name, route_prefix="/")
