@@ -181,7 +181,7 @@ def tapped_hidden(target, sequences: list[list[int]], layer_ids: tuple[int, ...]
         valid[i, : len(s)] = True
     pos = torch.arange(width)[None].expand(len(sequences), -1)  # (b, T)
     dev = target.device
-    out = target.forward(ids.to(dev), pos.to(dev), causal_attention_mask(valid).to(dev),
-                         cache=None, tap_layer_ids=tuple(layer_ids), logits_slice=slice(0, 1))
-    taps = out.taps.float().clamp_(-FP16_MAX, FP16_MAX).to(torch.float16).cpu()  # (b, T, n_taps*D)
+    taps = target.tapped_features(ids.to(dev), pos.to(dev), causal_attention_mask(valid).to(dev),
+                                  tuple(layer_ids))
+    taps = taps.float().clamp_(-FP16_MAX, FP16_MAX).to(torch.float16).cpu()  # (b, T, n_taps*D)
     return [taps[i, : len(s)].numpy() for i, s in enumerate(sequences)]

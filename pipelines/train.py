@@ -391,7 +391,7 @@ def online_taps(target, mb, layer_ids) -> torch.Tensor:
     dev = target.device
     ids, valid = mb.input_ids.to(dev), mb.valid.to(dev)
     positions = torch.arange(ids.shape[1], device=dev).expand_as(ids)
-    return target.forward(ids, positions, causal_attention_mask(valid), None, tap_layer_ids=layer_ids).taps
+    return target.tapped_features(ids, positions, causal_attention_mask(valid), tuple(layer_ids))
 
 
 def _count_nodes() -> int:

@@ -50,9 +50,8 @@ def padded_batch(prompts: list[list[int]], outputs: list[list[int]]):
 
 def target_taps(target: Target, ids, valid, layer_ids):
     t = ids.shape[1]
-    out = target.forward(ids, torch.arange(t).expand_as(ids), causal_attention_mask(valid), None,
-                         tap_layer_ids=layer_ids)
-    return out.taps
+    return target.tapped_features(ids, torch.arange(t).expand_as(ids), causal_attention_mask(valid),
+                                  tuple(layer_ids))
 
 
 def train_memorising_drafter(target: Target, prompts: list[list[int]], max_new_tokens=40, block_size=8,
