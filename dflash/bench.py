@@ -19,6 +19,7 @@ from dataclasses import asdict
 
 import torch
 
+from dflash.corpus import CorpusIndex
 from dflash.decoding import SamplingParams, SpeculativeDecoder
 from dflash.lookup import LookupConfig
 from dflash.masks import causal_attention_mask
@@ -56,13 +57,13 @@ def _prompt_lookup(target: Target, prompt: list[int], max_new_tokens: int, tempe
 
 
 def fp32_exact_check(target: Target, drafter, prompts: list[list[int]], max_new_tokens: int,
-                     lookup: LookupConfig | None = None) -> bool:
+                     lookup: LookupConfig | None = None, corpus: CorpusIndex | None = None) -> bool:
     """Greedy DFlash output == greedy AR output, token for token (meaningful in fp32 only)."""
     if target.dtype != torch.float32:
         raise ValueError("the token-for-token check needs an fp32 target (bf16 verify rounds differently)")
     params = SamplingParams(max_new_tokens)
     ar = SpeculativeDecoder(target).generate(prompts, params, batch_size=1)
-    spec = SpeculativeDecoder(target, drafter, lookup=lookup).generate(prompts, params, batch_size=1)
+    spec = SpeculativeDecoder(target, drafter, lookup=lookup, corpus=corpus).generate(prompts, params, batch_size=1)
     return all(a.output_ids == d.output_ids for a, d in zip(ar, spec))
 
 
@@ -79,15 +80,18 @@ def run_bench(
     progress=None,
     block_size: int | None = None,
     lookup: LookupConfig | None = None,
+    corpus: CorpusIndex | None = None,
     drafter_only: bool = False,
 ) -> dict:
     """AR vs DFlash on `prompts` (token ids). Returns a JSON-ready summary dict.
     block_size overrides the drafter's (drafting fewer tokens than it was trained for).
-    lookup: DFlash cycles copy from the context when they can (dflash.lookup); drafter_only
-    also times the drafter without lookup (the ablation, `drafter_only_*` fields)."""
+    lookup: DFlash cycles copy from the context when they can (dflash.lookup); corpus: else
+    draft from the corpus when it knows the last tokens (dflash.corpus); drafter_only also
+    times the drafter without either (the ablation, `drafter_only_*` fields)."""
     ar = SpeculativeDecoder(target)
-    spec = SpeculativeDecoder(target, drafter, block_size=block_size, lookup=lookup)
-    alone = SpeculativeDecoder(target, drafter, block_size=block_size) if drafter_only and lookup else None
+    spec = SpeculativeDecoder(target, drafter, block_size=block_size, lookup=lookup, corpus=corpus)
+    alone = (SpeculativeDecoder(target, drafter, block_size=block_size)
+             if drafter_only and (lookup or corpus) else None)
     B = spec.block_size
     params = [SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i) for i in range(len(prompts))]
     # warm-up (allocator, kernels): not timed
@@ -102,7 +106,7 @@ def run_bench(
     ar_time = spec_time = pl_time = draft_time = verify_time = 0.0
     hist = [0] * spec.max_width
     accept_lengths: list[int] = []
-    lookup_cycles = alone_tokens = 0
+    lookup_cycles = corpus_cycles = alone_tokens = 0
     alone_time = 0.0
     alone_lengths: list[int] = []
     exact = 0
@@ -120,6 +124,7 @@ def run_bench(
         verify_time += d.stats.verify_time_s
         accept_lengths += d.stats.acceptance_lengths
         lookup_cycles += d.stats.lookup_cycles
+        corpus_cycles += d.stats.corpus_cycles
         for k, c in enumerate(d.stats.histogram()):
             hist[k] += c
         same = a.output_ids == d.output_ids
@@ -161,6 +166,8 @@ def run_bench(
         "block_size": B,
         "lookup": asdict(lookup) if lookup else None,
         "lookup_cycle_fraction": round(lookup_cycles / len(accept_lengths), 4) if accept_lengths else 0.0,
+        "corpus": {"tokens": int(len(corpus.tokens)), "entries": corpus.num_entries} if corpus else None,
+        "corpus_cycle_fraction": round(corpus_cycles / len(accept_lengths), 4) if accept_lengths else 0.0,
         "tau": round(sum(accept_lengths) / len(accept_lengths), 4) if accept_lengths else 0.0,
         "acceptance_histogram": hist,
         "ar_tokens_per_s": round(ar_tps, 3),

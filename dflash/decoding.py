@@ -11,7 +11,9 @@ One cycle for every in-flight sequence (block size B):
 Plain autoregressive decoding is the same loop with no drafter (B = 1: verify the anchor,
 emit the bonus), so the baseline shares every line of bookkeeping. With context lookup
 (dflash.lookup), a sequence whose last tokens occurred earlier drafts a copy of what
-followed them instead of step 1's block; that cycle verifies the wider of the two.
+followed them instead of step 1's block; failing that, with a corpus (dflash.corpus), the
+continuation the target most often wrote after its last tokens. Such a cycle verifies the
+widest of the drafts.
 
 Cache layout. Sequences in a batch accept different numbers of tokens, so slots are not
 positions. Both the target's KV cache and the drafter's context cache have the same S
@@ -34,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from dflash.corpus import ORDERS as CORPUS_ORDERS
+from dflash.corpus import CorpusIndex
 from dflash.drafter import DFlashDrafter, OutputHead, concat_context
 from dflash.lookup import LookupConfig, NgramIndex
 from dflash.masks import causal_attention_mask, extend_attention_mask
@@ -70,6 +74,7 @@ class RequestStats:
     generated_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # accepted + 1, per cycle
     lookup_cycles: int = 0  # cycles whose draft was copied from the context (dflash.lookup)
+    corpus_cycles: int = 0  # cycles whose draft came from the corpus (dflash.corpus)
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -93,6 +98,7 @@ class RequestStats:
             "generated_tokens": self.generated_tokens,
             "cycles": len(self.acceptance_lengths),
             "lookup_cycles": self.lookup_cycles,
+            "corpus_cycles": self.corpus_cycles,
             "tau": round(self.tau, 4),
             "acceptance_lengths": list(self.acceptance_lengths),
             "acceptance_histogram": self.histogram(),
@@ -120,6 +126,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def last_tokens(self, n: int) -> list[int]:
+        """The last n tokens of prompt + output (fewer if the sequence is shorter)."""
+        if len(self.output_ids) >= n:
+            return self.output_ids[-n:]
+        return (self.prompt_ids + self.output_ids)[-n:]
 
     def emit(self, tokens: list[int], stop_ids: set[int]) -> list[int]:
         """Append tokens up to a stop token (kept) or max_new_tokens; return what was added."""
@@ -221,17 +233,23 @@ class SpeculativeDecoder:
     exact under either. block_size defaults to the drafter's decode_block_size (its training
     block size unless its config says otherwise); 1 without a drafter. lookup: a sequence
     whose last tokens occurred earlier drafts lookup.num_tokens copied tokens instead
-    (dflash.lookup); a cycle where any sequence does verifies max_width tokens, else block_size.
+    (dflash.lookup); corpus: else a sequence whose last tokens the corpus knows drafts their
+    chained continuations (dflash.corpus). A cycle where any sequence drafts without the
+    drafter verifies max_width tokens, else block_size.
     """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None,
-                 verify: str = "rejection", block_size: int | None = None, lookup: LookupConfig | None = None):
+                 verify: str = "rejection", block_size: int | None = None, lookup: LookupConfig | None = None,
+                 corpus: CorpusIndex | None = None):
         if verify not in VERIFY_RULES:
             raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
         self.target = target
         self.drafter = drafter.eval().requires_grad_(False) if drafter is not None else None
         self.verify = verify
         self.lookup = lookup
+        if corpus is not None and corpus.vocab_size != target.vocab_size:
+            raise ValueError(f"corpus made for a vocabulary of {corpus.vocab_size}, target has {target.vocab_size}")
+        self.corpus = corpus
         if drafter is None:
             self.block_size = 1
         else:
@@ -243,7 +261,8 @@ class SpeculativeDecoder:
             self.tap_ids = cfg.target_layer_ids
             self.mask_token_id = cfg.mask_token_id
             self.head = OutputHead(target.model.lm_head.weight, drafter.draft_vocab)
-        self.max_width = max(self.block_size, lookup.num_tokens + 1 if lookup else 1)  # tokens per verify
+        self.max_width = max(self.block_size, lookup.num_tokens + 1 if lookup else 1,
+                             corpus.num_tokens + 1 if corpus else 1)  # tokens per verify
         self.stop_token_ids = set(target.stop_token_ids)
         self.max_positions = getattr(target.config, "max_position_embeddings", 1 << 30)
 
@@ -325,20 +344,30 @@ class SpeculativeDecoder:
                               extend_attention_mask(batch.slot_valid, B, causal=False))
         return self.head.full(self.head.logits(hidden[:, 1:]))
 
-    def _draft(self, batch: DecodeBatch, temps, top_ps, u) -> tuple[torch.Tensor | None, torch.Tensor | None, list[bool]]:
-        """This cycle's drafts (b, W-1), the distributions they were drawn from (b, W-1, V)
-        and which rows copied theirs from the context; W is this cycle's verify width
-        (max_width if any row copies, else block_size; drafts None when W = 1).
+    def _propose(self, r: Request) -> tuple[list[int] | None, str | None]:
+        """A draft that needs no drafter pass, and where it came from: the context, the corpus or none."""
+        if r.lookup is not None and (c := r.lookup.propose()) is not None:
+            return c, "lookup"
+        if self.corpus is not None and (c := self.corpus.propose(r.last_tokens(max(CORPUS_ORDERS)))) is not None:
+            return c, "corpus"
+        return None, None
 
-        A copying row drafts its copy with probability one. The other rows draft with the
-        drafter; slots past its block repeat its last draft with probability one. Every
-        draft depends on the context alone, which is what the rejection rule needs."""
+    def _draft(self, batch: DecodeBatch, temps, top_ps, u) -> tuple[torch.Tensor | None, torch.Tensor | None, list]:
+        """This cycle's drafts (b, W-1), the distributions they were drawn from (b, W-1, V)
+        and per row where its draft came from ("lookup", "corpus" or None for the drafter);
+        W is this cycle's verify width (max_width if any row drafts without the drafter, else
+        block_size; drafts None when W = 1).
+
+        A lookup or corpus draft is a proposal with probability one; a short one is padded
+        with its last token. The other rows draft with the drafter; slots past its block
+        repeat its last draft with probability one. Every draft depends on the context alone,
+        which is what the rejection rule needs."""
         b, B = len(batch), self.block_size
-        copies = [r.lookup.propose() if r.lookup is not None else None for r in batch.requests]
+        copies, sources = zip(*[self._propose(r) for r in batch.requests])
         copied = [c is not None for c in copies]
         W = self.max_width if any(copied) else B
         if W == 1:
-            return None, None, copied
+            return None, None, list(sources)
         draft = batch.anchor[:, None].repeat(1, W - 1)  # placeholders, overwritten below
         q_drafter = None
         if self.drafter is not None and not all(copied):
@@ -354,7 +383,7 @@ class SpeculativeDecoder:
         if q_drafter is not None:
             rows = torch.tensor([not c for c in copied], device=self.device)
             q[rows, : B - 1] = q_drafter[rows]
-        return draft, q, copied
+        return draft, q, list(sources)
 
     @torch.no_grad()
     def step(self, batch: DecodeBatch) -> list[list[int]]:
@@ -367,7 +396,7 @@ class SpeculativeDecoder:
         u = self._uniforms(batch, 3 * self.max_width)  # draft sampling | acceptance | target/bonus draws
 
         t0 = time.perf_counter()
-        draft, q, copied = self._draft(batch, temps, top_ps, u)
+        draft, q, sources = self._draft(batch, temps, top_ps, u)
         B = 1 if draft is None else draft.shape[1] + 1  # this cycle's verify width
         positions = batch.next_pos[:, None] + torch.arange(B, device=self.device)  # (b, B)
         verify_ids = batch.anchor[:, None] if draft is None else torch.cat([batch.anchor[:, None], draft], dim=1)
@@ -406,7 +435,8 @@ class SpeculativeDecoder:
         for i, r in enumerate(batch.requests):
             n = int(n_acc[i])
             r.stats.acceptance_lengths.append(n + 1)
-            r.stats.lookup_cycles += copied[i]
+            r.stats.lookup_cycles += sources[i] == "lookup"
+            r.stats.corpus_cycles += sources[i] == "corpus"
             r.stats.draft_time_s += t1 - t0
             r.stats.verify_time_s += t2 - t1
             emitted.append(r.emit(draft_list[i][:n] + [int(bonus[i])], self.stop_token_ids | set(r.params.stop_token_ids)))

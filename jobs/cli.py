@@ -5,6 +5,7 @@
     dflash distill  --config jobs/configs/distill.yaml [key=value ...]
     dflash train    --config jobs/configs/train.yaml [key=value ...]
     dflash export   RUN_DIR OUT_DIR
+    dflash corpus   --data DISTILL_DIR --out DRAFTER_DIR/corpus/corpus.safetensors
     dflash serve    --config serve/config.yaml [key=value ...]
     dflash demo     [--config jobs/configs/demo.yaml] [key=value ...]
 
@@ -104,6 +105,20 @@ def _lookup(args, drafter):
         raise UserError(str(e)) from e
 
 
+def _corpus(args, target, drafter_name):
+    """Corpus lookup (dflash.corpus): --corpus auto (default) loads the drafter directory's
+    corpus/corpus.safetensors when it has one; 'none' turns it off; else a file."""
+    from safetensors import SafetensorError
+
+    from dflash.corpus import CorpusIndex, resolve_corpus
+
+    try:
+        path = resolve_corpus(args.corpus, drafter_name if drafter_name != "random" else None)
+        return CorpusIndex.load(path, target.vocab_size, num_tokens=args.lookup_tokens) if path else None
+    except (FileNotFoundError, ValueError, SafetensorError) as e:
+        raise UserError(str(e)) from e
+
+
 # --- generate ---------------------------------------------------------------------------
 
 def cmd_generate(args) -> int:
@@ -116,9 +131,11 @@ def cmd_generate(args) -> int:
     if not ids:
         raise UserError("the prompt is empty after tokenization")
     lookup = _lookup(args, drafter)
+    corpus = _corpus(args, target, drafter_name)
     try:
         params = SamplingParams(args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        dec = SpeculativeDecoder(target, drafter, verify=args.verify, block_size=args.block_size, lookup=lookup)
+        dec = SpeculativeDecoder(target, drafter, verify=args.verify, block_size=args.block_size, lookup=lookup,
+                                 corpus=corpus)
         req = dec.generate([ids], [params])[0]
     except ValueError as e:
         raise UserError(str(e)) from e
@@ -179,6 +196,7 @@ def cmd_bench(args) -> int:
     if drafter is None:
         raise UserError("bench compares DFlash with AR: it needs a drafter (a directory, 'default' or 'random')")
     lookup = _lookup(args, drafter)
+    corpus = _corpus(args, target, drafter_name)
     results = []
     for name, convs in sets:
         convs = convs[: args.limit] if args.limit else convs
@@ -193,7 +211,8 @@ def cmd_bench(args) -> int:
             try:
                 r = run_bench(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=temp,
                               top_p=args.top_p, seed=args.seed, prompt_lookup=args.prompt_lookup, progress=progress,
-                              block_size=args.block_size, lookup=lookup, drafter_only=args.drafter_only)
+                              block_size=args.block_size, lookup=lookup, corpus=corpus,
+                              drafter_only=args.drafter_only)
             except ValueError as e:  # e.g. a prompt longer than the target's context
                 raise UserError(f"{name}: {e}") from e
             results.append({"dataset": name, "target": target.target_id, "drafter": drafter_name, **r})
@@ -207,7 +226,7 @@ def cmd_bench(args) -> int:
         print(f"[bench] wrote {', '.join(files.values())}", file=sys.stderr)
     print(table, file=sys.stderr)
     keys = ("dataset", "temperature", "tau", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
-            "lookup_cycle_fraction", "drafter_only_speedup", "prompt_lookup_speedup", "exact_match_rate", "lossless")
+            "lookup_cycle_fraction", "corpus_cycle_fraction", "drafter_only_speedup", "prompt_lookup_speedup", "exact_match_rate", "lossless")
     rows = [{k: r.get(k) for k in keys} for r in results]
     print(json.dumps(rows if len(rows) > 1 else rows[0]))
     return 0
@@ -249,6 +268,30 @@ def _staged(module: str, config_cls: str, run_fn: str, loader: str | None = None
     return run
 
 
+def cmd_corpus(args) -> int:
+    """Distilled answers -> corpus.safetensors for corpus lookup (dflash.corpus)."""
+    from dflash.corpus import build_from_distilled
+    from dflash.data import DataMismatchError, check_dataset
+
+    _refuse_existing([args.out], args.overwrite)
+    if not Path(args.data).is_dir():
+        raise UserError(f"data directory not found: {args.data}")
+    args.device, args.dtype = "cpu", "fp32"
+    target = _load_target(args)
+    try:
+        meta = check_dataset(args.data, target_id=target.target_id, weights_hash=target.weights_hash)
+        index = build_from_distilled(args.data, target.vocab_size, progress=lambda f, n: print(
+            f"[corpus] {f.name}: {n} answers so far", file=sys.stderr, flush=True))
+    except (FileNotFoundError, DataMismatchError, ValueError) as e:
+        raise UserError(str(e)) from e
+    path = index.save(args.out, {"target_id": target.target_id, "weights_hash": target.weights_hash,
+                                 "source": str(Path(args.data).resolve().name),
+                                 "generation": json.dumps(meta.generation, sort_keys=True)})
+    print(json.dumps({"corpus": str(path), "segments": len(index.offsets) - 1, "tokens": len(index.tokens),
+                      "entries": index.num_entries, "bytes": path.stat().st_size}))
+    return 0
+
+
 def cmd_export(args) -> int:
     try:
         from pipelines.train import export_run
@@ -282,7 +325,11 @@ def _target_flags(p):
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                    help="context lookup (with a drafter; default on): a sequence whose last 2-3 tokens occurred "
                         "earlier drafts the tokens that followed them instead of the drafter's (lossless)")
-    p.add_argument("--lookup-tokens", type=int, default=7, help="tokens per copied draft (default 7)")
+    p.add_argument("--lookup-tokens", type=int, default=7, help="tokens per copied or corpus draft (default 7)")
+    p.add_argument("--corpus", default="auto",
+                   help="corpus lookup: where the context has no match, draft the continuation the target most "
+                        "often wrote (lossless). 'auto' (default): the drafter directory's "
+                        "corpus/corpus.safetensors if it has one; 'none': off; or a file made by `dflash corpus`")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -305,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "comma-separated, or 'all'")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--drafter-only", action="store_true",
-                   help="with --lookup, also time DFlash without it (the ablation: drafter_only_* fields)")
+                   help="with lookup or a corpus, also time DFlash without them (the ablation: drafter_only_* fields)")
     p.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=True,
                    help="also run transformers' prompt-lookup decoding (a peer baseline; default on)")
     p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default: --temperature "
@@ -328,6 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--print-config", action="store_true", help="validate and print the config, run nothing")
         p.add_argument("overrides", nargs="*", help="key=value overrides")
         p.set_defaults(fn=_staged(module, cls, fn, loader))
+
+    p = sub.add_parser("corpus", help="build a corpus lookup file from distilled data (tokens-only is enough)")
+    p.add_argument("--data", required=True, help="a `dflash distill` output directory")
+    p.add_argument("--out", required=True, help="the file to write, e.g. <drafter dir>/corpus/corpus.safetensors")
+    p.add_argument("--target", default="default", help="the target the data was distilled from")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(fn=cmd_corpus)
 
     p = sub.add_parser("export", help="consolidate a training run into a drafter directory")
     p.add_argument("run_dir")

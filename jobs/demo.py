@@ -66,6 +66,7 @@ class DemoConfig:
     temperatures: tuple[float, ...] = (0.0, 1.0)
     prompt_lookup: bool = True
     lookup: bool = True  # DFlash cycles copy from the context when it repeats (dflash.lookup)
+    corpus: bool = True  # else draft from the drafter directory's corpus, if it has one (dflash.corpus)
     fp32_check_prompts: int = 2  # greedy prompts also decoded in fp32 and compared token for token
     # 4. serve
     port: int = 0  # 0: any free port on 127.0.0.1
@@ -137,6 +138,7 @@ def bench(cfg: DemoConfig, out: Path, drafter_dir: str) -> dict:
     """The bench table at each temperature, plus an fp32 token-for-token greedy check."""
     from dflash.bench import fp32_exact_check, run_bench
     from dflash.checkpoint import load_drafter
+    from dflash.corpus import CorpusIndex, resolve_corpus
     from dflash.lookup import LookupConfig
     from dflash.prompts import load_prompt_set
     from dflash.target import load_target
@@ -146,12 +148,14 @@ def bench(cfg: DemoConfig, out: Path, drafter_dir: str) -> dict:
     drafter = load_drafter(drafter_dir, target=target, dtype=cfg.dtype)
     prompts = [target.chat_ids(c) for c in load_prompt_set(cfg.bench_dataset)[: cfg.bench_prompts]]
     lookup = LookupConfig() if cfg.lookup else None
+    corpus_path = resolve_corpus("auto" if cfg.corpus else None, drafter_dir)
+    corpus = CorpusIndex.load(corpus_path, target.vocab_size) if corpus_path else None
     runs = []
     for temp in cfg.temperatures:
         _say(f"bench {cfg.bench_dataset} T={temp:g}: {len(prompts)} prompts, AR vs DFlash"
              + (" vs prompt lookup" if cfg.prompt_lookup else ""))
         r = run_bench(target, drafter, prompts, max_new_tokens=cfg.bench_max_new_tokens, temperature=temp,
-                      prompt_lookup=cfg.prompt_lookup, lookup=lookup,
+                      prompt_lookup=cfg.prompt_lookup, lookup=lookup, corpus=corpus,
                       progress=lambda i, n, row: _say(f"  prompt {i}/{n}: tau {row['tau']:.2f}"))
         runs.append({"dataset": cfg.bench_dataset, "target": target.target_id, "drafter": drafter_dir, **r})
     files = write_bench_report(runs, out / "bench")
@@ -160,7 +164,8 @@ def bench(cfg: DemoConfig, out: Path, drafter_dir: str) -> dict:
         _say(f"fp32 check: {cfg.fp32_check_prompts} greedy prompts, DFlash vs AR token for token")
         t32 = load_target(cfg.target, dtype="fp32")
         exact = fp32_exact_check(t32, load_drafter(drafter_dir, target=t32, dtype="fp32"),
-                                 prompts[: cfg.fp32_check_prompts], cfg.bench_max_new_tokens, lookup=lookup)
+                                 prompts[: cfg.fp32_check_prompts], cfg.bench_max_new_tokens, lookup=lookup,
+                                 corpus=corpus)
     return {"runs": runs, "files": files, "fp32_exact": exact}
 
 
@@ -172,7 +177,8 @@ def serve_one_request(cfg: DemoConfig, drafter_dir: str) -> dict:
     from serve.config import ServeConfig
 
     port = cfg.port or _free_port()
-    scfg = ServeConfig(target=cfg.target, drafter=drafter_dir, dtype=cfg.dtype, lookup=cfg.lookup, port=port,
+    scfg = ServeConfig(target=cfg.target, drafter=drafter_dir, dtype=cfg.dtype, lookup=cfg.lookup,
+                       corpus="auto" if cfg.corpus else None, port=port,
                        app_name="dflash-demo", min_replicas=1, max_replicas=1, num_cpus_per_replica=0.5)
     serve.start(http_options={"host": scfg.host, "port": port})
     try:
@@ -251,8 +257,9 @@ def build_summary(cfg, out: Path, d: dict, t: dict, b: dict, reply: dict, times:
                   "final_accuracy": t["final_accuracy"], "drafter_dir": t["drafter_dir"]},
         "drafter": drafter_dir,  # what bench and serve ran
         "bench": [{k: r.get(k) for k in ("dataset", "temperature", "num_prompts", "tau", "ar_tokens_per_s",
-                                         "dflash_tokens_per_s", "speedup", "lookup_cycle_fraction", "prompt_lookup_speedup",
-                                         "lossless", "lossless_rule")} for r in b["runs"]],
+                                         "dflash_tokens_per_s", "speedup", "lookup_cycle_fraction",
+                                         "corpus_cycle_fraction", "prompt_lookup_speedup", "lossless",
+                                         "lossless_rule")} for r in b["runs"]],
         "lossless": all(r["lossless"] for r in greedy) and b["fp32_exact"] is not False if greedy else None,
         "fp32_exact": b["fp32_exact"],
         "serve": {"url": reply["url"], "text": reply["choices"][0]["message"]["content"],

@@ -17,20 +17,22 @@ def _pyplot():
 
 
 def markdown_table(results: list[dict]) -> str:
-    """One row per (dataset, temperature). "copied" is the fraction of cycles that drafted
-    by context lookup; "drafter only" the ablation without it (tau, speedup)."""
-    head = ("| dataset | T | prompts | tau | AR tok/s | DFlash tok/s | speedup | copied | drafter only "
+    """One row per (dataset, temperature). "copied" and "corpus" are the fractions of cycles
+    that drafted by context lookup and by corpus lookup; "drafter only" the ablation without
+    either (tau, speedup)."""
+    head = ("| dataset | T | prompts | tau | AR tok/s | DFlash tok/s | speedup | copied | corpus | drafter only "
             "| prompt-lookup speedup | exact match | lossless |")
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in results:
         pl = r.get("prompt_lookup_speedup")
         alone = (f"{r['drafter_only_tau']:.2f}, {r['drafter_only_speedup']:.2f}x"
                  if r.get("drafter_only_speedup") is not None else "-")
         copied = f"{r['lookup_cycle_fraction']:.2f}" if r.get("lookup") else "-"
+        corpus = f"{r['corpus_cycle_fraction']:.2f}" if r.get("corpus") else "-"
         lossless = {True: "yes", False: "NO", None: "n/a (T>0)"}[r["lossless"]]
         lines.append(
             f"| {r['dataset']} | {r['temperature']:g} | {r['num_prompts']} | {r['tau']:.2f} | "
-            f"{r['ar_tokens_per_s']:.1f} | {r['dflash_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {copied} | {alone} | "
+            f"{r['ar_tokens_per_s']:.1f} | {r['dflash_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {copied} | {corpus} | {alone} | "
             f"{'-' if pl is None else f'{pl:.2f}x'} | {r['exact_match_rate']:.2f} | {lossless} |")
     return "\n".join(lines) + "\n"
 

@@ -154,6 +154,7 @@ class DFlashServer:
         import torch
 
         from dflash.checkpoint import load_drafter, resolve_drafter
+        from dflash.corpus import CorpusIndex, resolve_corpus
         from dflash.decoding import SpeculativeDecoder
         from dflash.lookup import LookupConfig
         from dflash.target import load_target
@@ -168,13 +169,15 @@ class DFlashServer:
         if path is not None:  # CheckpointError names the mismatch: the replica refuses to start
             drafter = load_drafter(path, target=self.target, device=cfg.device, dtype=cfg.dtype)
         lookup = LookupConfig(num_tokens=cfg.lookup_tokens) if cfg.lookup and drafter is not None else None
-        decoder = SpeculativeDecoder(self.target, drafter, verify=cfg.verify, lookup=lookup)
+        corpus_path = resolve_corpus(cfg.corpus, path)
+        corpus = CorpusIndex.load(corpus_path, self.target.vocab_size, cfg.lookup_tokens) if corpus_path else None
+        decoder = SpeculativeDecoder(self.target, drafter, verify=cfg.verify, lookup=lookup, corpus=corpus)
         self.metrics = ReplicaMetrics(decoder.max_width)
         self.engine = BatchingEngine(decoder, cfg.max_batch_size, cfg.max_context_tokens, self.metrics.on_step)
         self.model_name = cfg.model_name or self.target.target_id
         self.created = int(time.time())
-        log.info("replica ready: %s drafter=%s block=%d lookup=%s", self.model_name, self.drafter_name,
-                 decoder.block_size, lookup)
+        log.info("replica ready: %s drafter=%s block=%d lookup=%s corpus=%s", self.model_name, self.drafter_name,
+                 decoder.block_size, lookup, corpus_path)
 
     # --- plumbing -------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:

@@ -42,7 +42,10 @@ class ServeConfig:
     device: str = "cpu"  # "cpu" or "cuda"
     verify: Literal["rejection", "match"] = "rejection"
     lookup: bool = True  # with a drafter: copy drafts from the context when it repeats (dflash.lookup)
-    lookup_tokens: int = 7  # tokens per copied draft
+    lookup_tokens: int = 7  # tokens per copied or corpus draft
+    # corpus lookup (dflash.corpus): "auto" = the drafter directory's corpus/corpus.safetensors
+    # when it has one; "none"/None = off; or a file made by `dflash corpus`
+    corpus: str | None = "auto"
     model_name: str | None = None  # the id /v1/models reports; default: the target id
     # HTTP
     host: str = "127.0.0.1"

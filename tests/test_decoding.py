@@ -131,6 +131,26 @@ def test_context_lookup_is_lossless_fp32(target_fp32, prompts, reference, random
     assert max(n for r in out for n in r.stats.acceptance_lengths) > 1
 
 
+@pytest.mark.parametrize("which,lookup", [("random", None), ("trained", LookupConfig()), ("none", None)])
+def test_corpus_drafts_are_lossless_fp32(target_fp32, prompts, reference, random_drafter, trained, which, lookup):
+    """A corpus that knows the answers to half the prompts: its drafts, the context's and
+    the drafter's, ragged within a batch, still equal greedy AR token for token."""
+    from dflash.corpus import CorpusIndex, answer_segments
+
+    segments = [s for p, o in zip(prompts[:4], reference[:4])
+                for s in answer_segments(p + o, [0] * len(p) + [1] * len(o))]
+    corpus = CorpusIndex.from_segments(segments, target_fp32.vocab_size)
+    drafter = {"random": random_drafter, "trained": trained[0], "none": None}[which]
+    out = SpeculativeDecoder(target_fp32, drafter, lookup=lookup, corpus=corpus).generate(
+        prompts, SamplingParams(MAX_NEW), batch_size=4)
+    assert [r.output_ids for r in out] == reference
+    from_corpus = sum(r.stats.corpus_cycles for r in out)
+    cycles = sum(len(r.stats.acceptance_lengths) for r in out)
+    assert 0 < from_corpus < cycles
+    known = [n for r in out[:4] for n in r.stats.acceptance_lengths]
+    assert sum(known) / len(known) > 3  # the corpus holds these answers: long drafts accepted
+
+
 def test_context_lookup_bf16_emits_target_argmax(target_bf16, prompts):
     from dflash.checkpoint import load_drafter, resolve_drafter
 

@@ -226,6 +226,37 @@ def test_stored_hidden_states_equal_a_direct_forward(distilled, target_fp32):
         torch.testing.assert_close(stored, direct.half().float(), rtol=4e-3, atol=2e-2)
 
 
+def test_corpus_command_indexes_every_regenerated_answer(distilled, target_fp32, tmp_path, capsys):
+    """`dflash corpus`: one segment per scored span (its 3 lead tokens first), the target's
+    identity recorded, the answers' own n-grams known; an existing file is not replaced."""
+    from safetensors import safe_open
+
+    from dflash.corpus import CorpusIndex
+    from jobs.cli import main
+
+    out, _ = distilled
+    path = tmp_path / "corpus.safetensors"
+    assert main(["corpus", "--data", str(out), "--out", str(path)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = pq.read_table(out, columns=["input_ids", "loss_mask"]).to_pylist()
+    spans = [(i, j) for r in rows for i, j in _scored_spans(r["loss_mask"])]
+    assert summary["segments"] == len(spans) and summary["tokens"] == sum(j - i + 3 for i, j in spans)
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.metadata()["target_id"] == target_fp32.target_id
+        assert f.metadata()["weights_hash"] == target_fp32.weights_hash
+    index = CorpusIndex.load(path, target_fp32.vocab_size)
+    for r in rows:
+        ids, (i, j) = r["input_ids"], _scored_spans(r["loss_mask"])[0]
+        assert index.next_token(ids[i - 3: i + 1]) is not None  # every answer 4-gram is in the table
+    assert main(["corpus", "--data", str(out), "--out", str(path)]) == 2
+    assert "exists" in capsys.readouterr().err
+
+
+def _scored_spans(mask: list[int]) -> list[tuple[int, int]]:
+    starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
+    return [(i, next((j for j in range(i, len(mask)) if not mask[j]), len(mask))) for i in starts]
+
+
 def test_rejects_go_to_a_file_with_reasons(distilled):
     out, summary = distilled
     rejects = [json.loads(l) for l in (out / REJECTS_NAME).read_text().splitlines()]

@@ -159,7 +159,7 @@ def test_generate_decodes_with_the_shipped_drafter_by_default(capsys, target_fp3
     args = ["generate", "--chat", "--prompt", "Name three colors.", "--dtype", "fp32", "--max-new-tokens", "16",
             "--json", "--threads", "1"]
     runs = {}
-    for name, extra in [("auto", []), ("no-lookup", ["--no-lookup"]), ("none", ["--drafter", "none"]),
+    for name, extra in [("auto", []), ("no-lookup", ["--no-lookup", "--corpus", "none"]), ("none", ["--drafter", "none"]),
                         ("other", ["--target", str(target_fp32.model.name_or_path)])]:
         rc, out, err = run_cli(capsys, *args, *extra)
         assert rc == 0, err
@@ -168,12 +168,35 @@ def test_generate_decodes_with_the_shipped_drafter_by_default(capsys, target_fp3
     assert auto["drafter"] == plain["drafter"] == str(reference_drafter_dir(target_fp32.target_id))
     assert len(auto["stats"]["acceptance_histogram"]) == 8  # copied drafts of 7: emit 1..8 per cycle
     assert len(plain["stats"]["acceptance_histogram"]) == 4  # blocks of 4: emit 1..4 per cycle
-    assert plain["stats"]["lookup_cycles"] == 0
+    assert plain["stats"]["lookup_cycles"] == plain["stats"]["corpus_cycles"] == 0
     assert max(plain["stats"]["acceptance_lengths"]) > 1  # some drafts were accepted
     assert none["drafter"] is None and other["drafter"] is None
     assert set(none["stats"]["acceptance_lengths"]) == {1}
     assert "no reference drafter ships for hf:" in runs["other"][1]
     assert auto["token_ids"] == plain["token_ids"] == none["token_ids"] == other["token_ids"]
+
+
+def test_generate_with_a_corpus_file_drafts_from_it(capsys, tmp_path, target_fp32):
+    """--corpus FILE with no drafter: corpus cycles only, the same tokens as plain AR (fp32);
+    a corpus for another vocabulary or a missing file is one line of error."""
+    from dflash.corpus import CorpusIndex
+
+    args = ["generate", "--chat", "--prompt", "Name three colors.", "--dtype", "fp32", "--max-new-tokens", "24",
+            "--json", "--threads", "1", "--drafter", "none"]
+    rc, out, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    plain = json.loads(out)
+    answer = plain["prompt_token_ids"][-3:] + plain["token_ids"]
+    path = CorpusIndex.from_segments([answer[:14]], target_fp32.vocab_size).save(tmp_path / "c.safetensors")
+    rc, out, err = run_cli(capsys, *args, "--corpus", str(path))
+    assert rc == 0, err
+    drafted = json.loads(out)
+    assert drafted["token_ids"] == plain["token_ids"]
+    assert drafted["stats"]["corpus_cycles"] > 0 and max(drafted["stats"]["acceptance_lengths"]) > 3
+    other = CorpusIndex.from_segments([[1, 2, 3, 4, 5]], 100).save(tmp_path / "other.safetensors")
+    for bad, msg in [(other, "vocabulary of 100"), (tmp_path / "missing.safetensors", "corpus file not found")]:
+        rc, _, err = run_cli(capsys, *args, "--corpus", str(bad))
+        assert rc == 2 and msg in one_line_error(err, "generate")
 
 
 def test_bench_on_two_prompts_writes_every_field_and_plot(capsys, tmp_path):

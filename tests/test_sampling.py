@@ -209,6 +209,32 @@ def test_context_lookup_is_lossless_in_distribution(tiny, rule, with_drafter, lo
     assert copied > n // 4 and accepted > n // 10, "copies must be drafted and accepted often"
 
 
+@pytest.mark.parametrize("rule,with_drafter", [("rejection", True), ("match", False)])
+def test_corpus_drafts_are_lossless_in_distribution(tiny, rule, with_drafter):
+    """Corpus drafts (chained, some shorter than the block) are proposals with probability one too."""
+    import random
+
+    from dflash.corpus import CorpusIndex
+
+    target, drafter = tiny
+    rng = random.Random(0)
+    corpus = CorpusIndex.from_segments([[rng.randrange(V) for _ in range(10)] for _ in range(12)], V, num_tokens=3)
+    exact = _exact_joint(target)
+    n = 6000
+    dec = SpeculativeDecoder(target, drafter if with_drafter else None, verify=rule, corpus=corpus)
+    params = [SamplingParams(max_new_tokens=N_TOKENS, temperature=1.0, seed=30_000 + i) for i in range(n)]
+    out = dec.generate([PROMPT] * n, params, batch_size=1000)
+    counts: dict[tuple, int] = {}
+    for r in out:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    stat, df = _chi_square(counts, exact, n)
+    assert stat < _critical(df), f"{rule}: chi2 {stat:.1f} with {df} df"
+    from_corpus = sum(r.stats.corpus_cycles for r in out)
+    cycles = sum(len(r.stats.acceptance_lengths) for r in out)
+    accepted = sum(a - 1 for r in out for a in r.stats.acceptance_lengths)
+    assert n // 4 < from_corpus < cycles and accepted > n // 10, "corpus drafts must be drafted and accepted often"
+
+
 def test_plain_sampling_matches_exact_distribution(tiny):
     """The baseline itself (no drafter) samples the target's distribution."""
     target, _ = tiny
