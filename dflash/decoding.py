@@ -234,8 +234,8 @@ class SpeculativeDecoder:
     block size unless its config says otherwise); 1 without a drafter. lookup: a sequence
     whose last tokens occurred earlier drafts lookup.num_tokens copied tokens instead
     (dflash.lookup); corpus: else a sequence whose last tokens the corpus knows drafts their
-    chained continuations (dflash.corpus). A cycle where any sequence drafts without the
-    drafter verifies max_width tokens, else block_size.
+    chained continuations (dflash.corpus). A cycle verifies its longest draft (at most
+    max_width tokens).
     """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None,
@@ -355,8 +355,8 @@ class SpeculativeDecoder:
     def _draft(self, batch: DecodeBatch, temps, top_ps, u) -> tuple[torch.Tensor | None, torch.Tensor | None, list]:
         """This cycle's drafts (b, W-1), the distributions they were drawn from (b, W-1, V)
         and per row where its draft came from ("lookup", "corpus" or None for the drafter);
-        W is this cycle's verify width (max_width if any row drafts without the drafter, else
-        block_size; drafts None when W = 1).
+        W is this cycle's verify width: the longest draft + 1, at least block_size while any
+        row drafts with the drafter (drafts None when W = 1).
 
         A lookup or corpus draft is a proposal with probability one; a short one is padded
         with its last token. The other rows draft with the drafter; slots past its block
@@ -365,7 +365,7 @@ class SpeculativeDecoder:
         b, B = len(batch), self.block_size
         copies, sources = zip(*[self._propose(r) for r in batch.requests])
         copied = [c is not None for c in copies]
-        W = self.max_width if any(copied) else B
+        W = max([len(c) + 1 for c in copies if c is not None] + ([B] if not all(copied) else []))
         if W == 1:
             return None, None, list(sources)
         draft = batch.anchor[:, None].repeat(1, W - 1)  # placeholders, overwritten below
