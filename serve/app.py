@@ -170,6 +170,7 @@ class DFlashServer:
             drafter = load_drafter(path, target=self.target, device=cfg.device, dtype=cfg.dtype)
         lookup = LookupConfig(num_tokens=cfg.lookup_tokens) if cfg.lookup and drafter is not None else None
         corpus_path = resolve_corpus(cfg.corpus, path)
+        self.corpus_name = str(corpus_path) if corpus_path is not None else None
         corpus = CorpusIndex.load(corpus_path, self.target.vocab_size, cfg.lookup_tokens) if corpus_path else None
         decoder = SpeculativeDecoder(self.target, drafter, verify=cfg.verify, lookup=lookup, corpus=corpus)
         self.metrics = ReplicaMetrics(decoder.max_width)
@@ -289,7 +290,8 @@ class DFlashServer:
     async def models(self, request: Request) -> dict:
         self._authorize(request)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "dflash", "drafter": self.drafter_name}]}
+                                            "owned_by": "dflash", "drafter": self.drafter_name,
+                                            "corpus": self.corpus_name}]}
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):

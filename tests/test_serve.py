@@ -486,6 +486,7 @@ def test_serve_run_starts_the_shipped_config(tmp_path):
         # drafter: auto, i.e. the reference drafter shipped for the default target
         models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"]
         assert models[0]["drafter"].endswith("drafters/SmolLM2-135M-Instruct"), models
+        assert models[0]["corpus"] == models[0]["drafter"] + "/corpus/corpus.safetensors", models  # corpus: auto
         _stop(proc, signal.SIGINT)
     finally:
         if proc.poll() is None:
