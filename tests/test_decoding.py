@@ -151,13 +151,17 @@ def test_corpus_drafts_are_lossless_fp32(target_fp32, prompts, reference, random
     assert sum(known) / len(known) > 3  # the corpus holds these answers: long drafts accepted
 
 
-def test_context_lookup_bf16_emits_target_argmax(target_bf16, prompts):
+def test_context_and_corpus_lookup_bf16_emit_target_argmax(target_bf16, prompts):
+    """The shipped drafter with its shipped corpus, as generate/bench/serve run it by default."""
     from dflash.checkpoint import load_drafter, resolve_drafter
+    from dflash.corpus import CorpusIndex, resolve_corpus
 
-    drafter = load_drafter(resolve_drafter("default", target_bf16.target_id), target=target_bf16, dtype="bf16")
-    out = SpeculativeDecoder(target_bf16, drafter, lookup=LookupConfig()).generate(
+    path = resolve_drafter("default", target_bf16.target_id)
+    drafter = load_drafter(path, target=target_bf16, dtype="bf16")
+    corpus = CorpusIndex.load(resolve_corpus("auto", path), target_bf16.vocab_size)
+    out = SpeculativeDecoder(target_bf16, drafter, lookup=LookupConfig(), corpus=corpus).generate(
         prompts, SamplingParams(MAX_NEW), batch_size=4)
-    assert sum(r.stats.lookup_cycles for r in out) > 0
+    assert sum(r.stats.lookup_cycles for r in out) > 0 and sum(r.stats.corpus_cycles for r in out) > 0
     worst = max(float(_rescore_margins(target_bf16, p, r.output_ids).max()) for p, r in zip(prompts, out))
     assert worst <= BF16_MARGIN, f"an emitted token was {worst:.3f} logits below the target's argmax"
 
