@@ -186,6 +186,19 @@ def test_sampling_is_lossless_in_distribution(tiny, rule):
     assert 0.5 * (q - p_x2).abs().sum() > 0.2
 
 
+def _decode_in_target_law(dec, n: int, seed0: int) -> list:
+    """n seeded T=1 samples of PROMPT, decoded 1000 at a time; asserts their outputs follow
+    the target's exact joint law (chi-square) and returns the requests."""
+    params = [SamplingParams(max_new_tokens=N_TOKENS, temperature=1.0, seed=seed0 + i) for i in range(n)]
+    out = dec.generate([PROMPT] * n, params, batch_size=1000)
+    counts: dict[tuple, int] = {}
+    for r in out:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    stat, df = _chi_square(counts, _exact_joint(dec.target), n)
+    assert stat < _critical(df), f"{dec.verify}: chi2 {stat:.1f} with {df} df"
+    return out
+
+
 @pytest.mark.parametrize("rule,with_drafter,lookup", [
     ("rejection", True, LookupConfig(num_tokens=2, max_ngram=2, min_ngram=1)),  # width 3 < block 4
     ("match", True, LookupConfig(num_tokens=5, max_ngram=2, min_ngram=1)),  # width 6 > block 4
@@ -194,16 +207,9 @@ def test_sampling_is_lossless_in_distribution(tiny, rule):
 def test_context_lookup_is_lossless_in_distribution(tiny, rule, with_drafter, lookup):
     """Copied drafts are proposals with probability one: the samples keep the target's law."""
     target, drafter = tiny
-    exact = _exact_joint(target)
     n = 6000
     dec = SpeculativeDecoder(target, drafter if with_drafter else None, verify=rule, lookup=lookup)
-    params = [SamplingParams(max_new_tokens=N_TOKENS, temperature=1.0, seed=20_000 + i) for i in range(n)]
-    out = dec.generate([PROMPT] * n, params, batch_size=1000)
-    counts: dict[tuple, int] = {}
-    for r in out:
-        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
-    stat, df = _chi_square(counts, exact, n)
-    assert stat < _critical(df), f"{rule}: chi2 {stat:.1f} with {df} df"
+    out = _decode_in_target_law(dec, n, seed0=20_000)
     copied = sum(r.stats.lookup_cycles for r in out)
     accepted = sum(a - 1 for r in out for a in r.stats.acceptance_lengths)
     assert copied > n // 4 and accepted > n // 10, "copies must be drafted and accepted often"
@@ -219,16 +225,9 @@ def test_corpus_drafts_are_lossless_in_distribution(tiny, rule, with_drafter):
     target, drafter = tiny
     rng = random.Random(0)
     corpus = CorpusIndex.from_segments([[rng.randrange(V) for _ in range(10)] for _ in range(12)], V, num_tokens=3)
-    exact = _exact_joint(target)
     n = 6000
     dec = SpeculativeDecoder(target, drafter if with_drafter else None, verify=rule, corpus=corpus)
-    params = [SamplingParams(max_new_tokens=N_TOKENS, temperature=1.0, seed=30_000 + i) for i in range(n)]
-    out = dec.generate([PROMPT] * n, params, batch_size=1000)
-    counts: dict[tuple, int] = {}
-    for r in out:
-        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
-    stat, df = _chi_square(counts, exact, n)
-    assert stat < _critical(df), f"{rule}: chi2 {stat:.1f} with {df} df"
+    out = _decode_in_target_law(dec, n, seed0=30_000)
     from_corpus = sum(r.stats.corpus_cycles for r in out)
     cycles = sum(len(r.stats.acceptance_lengths) for r in out)
     accepted = sum(a - 1 for r in out for a in r.stats.acceptance_lengths)
