@@ -13,7 +13,8 @@ emit the bonus), so the baseline shares every line of bookkeeping. With context 
 (dflash.lookup), a sequence whose last tokens occurred earlier drafts a copy of what
 followed them instead of step 1's block; failing that, with a corpus (dflash.corpus), the
 continuation the target most often wrote after its last tokens. Such a cycle verifies the
-widest of the drafts.
+widest of the drafts. With a TreeConfig, a cycle instead verifies all of these guesses at
+once as a token tree and keeps the longest path of the target's own tokens (dflash.tree).
 
 Cache layout. Sequences in a batch accept different numbers of tokens, so slots are not
 positions. Both the target's KV cache and the drafter's context cache have the same S
@@ -41,8 +42,9 @@ from dflash.corpus import CorpusIndex
 from dflash.drafter import DFlashDrafter, OutputHead, concat_context
 from dflash.lookup import LookupConfig, NgramIndex
 from dflash.masks import causal_attention_mask, extend_attention_mask
-from dflash.sampling import VERIFY_RULES, sample_from, token_probs, verify_match, verify_rejection
+from dflash.sampling import VERIFY_RULES, sample_from, target_tokens, token_probs, verify_match, verify_rejection
 from dflash.target import Target
+from dflash.tree import DraftTree, TreeConfig, build_tree
 
 
 @dataclass(frozen=True)
@@ -235,12 +237,13 @@ class SpeculativeDecoder:
     whose last tokens occurred earlier drafts lookup.num_tokens copied tokens instead
     (dflash.lookup); corpus: else a sequence whose last tokens the corpus knows drafts their
     chained continuations (dflash.corpus). A cycle verifies its longest draft (at most
-    max_width tokens).
+    max_width tokens). tree: verify a draft tree of every guess instead (dflash.tree; at
+    T > 0 its walk is the match rule, whatever `verify` says).
     """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None,
                  verify: str = "rejection", block_size: int | None = None, lookup: LookupConfig | None = None,
-                 corpus: CorpusIndex | None = None):
+                 corpus: CorpusIndex | None = None, tree: TreeConfig | None = None):
         if verify not in VERIFY_RULES:
             raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
         self.target = target
@@ -250,6 +253,7 @@ class SpeculativeDecoder:
         if corpus is not None and corpus.vocab_size != target.vocab_size:
             raise ValueError(f"corpus made for a vocabulary of {corpus.vocab_size}, target has {target.vocab_size}")
         self.corpus = corpus
+        self.tree = tree
         if drafter is None:
             self.block_size = 1
         else:
@@ -391,6 +395,8 @@ class SpeculativeDecoder:
 
         Finished requests must have been removed (see `generate` / `drop_finished`).
         """
+        if self.tree is not None:
+            return self._step_tree(batch)
         b = len(batch)
         temps, top_ps = self._param_tensors(batch.requests)
         u = self._uniforms(batch, 3 * self.max_width)  # draft sampling | acceptance | target/bonus draws
@@ -440,6 +446,85 @@ class SpeculativeDecoder:
             r.stats.draft_time_s += t1 - t0
             r.stats.verify_time_s += t2 - t1
             emitted.append(r.emit(draft_list[i][:n] + [int(bonus[i])], self.stop_token_ids | set(r.params.stop_token_ids)))
+        return emitted
+
+    # --- a cycle that verifies a draft tree (dflash.tree) -------------------------------
+    def _tree_branches(self, batch: DecodeBatch) -> list[list[tuple[list[int], str]]]:
+        """Each row's guesses after its anchor, best first: the context copy, the corpus
+        copy, the drafter's block, then the drafter's runner-up first tokens, each continued
+        by a context or corpus copy after it (else by the rest of the drafter's block)."""
+        depth = self.max_width - 1
+        chain = top = None
+        if self.drafter is not None:
+            logits = self.draft_logits(batch)  # (b, B-1, V)
+            chain = logits.argmax(-1).tolist()
+            top = logits[:, 0].topk(self.tree.first_candidates, dim=-1).indices.tolist()
+        rows = []
+        for i, r in enumerate(batch.requests):
+            ctx = r.last_tokens(max(CORPUS_ORDERS))
+            branches = []
+            if r.lookup is not None and (c := r.lookup.propose()) is not None:
+                branches.append((c, "lookup"))
+            if self.corpus is not None and (c := self.corpus.propose(ctx)) is not None:
+                branches.append((c, "corpus"))
+            if chain is not None:
+                branches.append((chain[i], "drafter"))
+                for tok in top[i][1:]:
+                    rest = r.lookup.propose([tok]) if r.lookup is not None else None
+                    if rest is None and self.corpus is not None:
+                        rest = self.corpus.propose(ctx + [tok])
+                    branches.append(([tok] + (rest or chain[i][1:]), "drafter"))
+            rows.append([(br[:depth], src) for br, src in branches])
+        return rows
+
+    def _step_tree(self, batch: DecodeBatch) -> list[list[int]]:
+        """One cycle over a draft tree: every row's guesses in one target pass, the longest
+        path of the target's own tokens kept (dflash.tree), the rest left as holes."""
+        b, s = len(batch), batch.num_slots
+        temps, top_ps = self._param_tensors(batch.requests)
+        t0 = time.perf_counter()
+        tree: DraftTree = build_tree(batch.anchor.tolist(), self._tree_branches(batch), self.tree.max_nodes,
+                                     device=self.device)
+        w = tree.width
+        positions = batch.next_pos[:, None] + tree.depth
+        mask = torch.cat([batch.slot_valid[:, None, :].expand(b, w, s), tree.attend], dim=-1)[:, None]
+        self._sync()
+        t1 = time.perf_counter()
+        out = self.target.forward(tree.tokens, positions, mask, batch.cache,
+                                  tap_layer_ids=self.tap_ids if self.drafter is not None else None)
+        y = target_tokens(out.logits, temps, top_ps, self._uniforms(batch, w))  # (b, W)
+        paths, bonus = tree.walk(y.tolist())
+        self._sync()
+        t2 = time.perf_counter()
+
+        # commit: keep each row's path; the cache keeps the first `width` slots of the tree
+        width = max(max(path) for path in paths) + 1
+        if w > width:
+            batch.cache.crop(-(w - width))
+        new_valid = torch.zeros(b, width, dtype=torch.bool)
+        for i, path in enumerate(paths):
+            new_valid[i, path] = True
+        new_valid = new_valid.to(self.device)
+        if self.drafter is not None:
+            taps = out.taps[:, :width].masked_fill(~new_valid[..., None], 0)
+            batch.context = concat_context(batch.context, self.drafter.context_kv(taps, positions[:, :width]))
+        batch.slot_valid = torch.cat([batch.slot_valid, new_valid], dim=1)
+        keep = torch.tensor([len(path) for path in paths], device=self.device)
+        batch.next_pos = batch.next_pos + keep
+        batch.anchor = torch.tensor(bonus, device=self.device)
+
+        emitted = []
+        tokens = tree.tokens.tolist()
+        for i, r in enumerate(batch.requests):
+            path = paths[i]
+            source = tree.source[i][path[-1]]
+            r.stats.acceptance_lengths.append(len(path))
+            r.stats.lookup_cycles += source == "lookup"
+            r.stats.corpus_cycles += source == "corpus"
+            r.stats.draft_time_s += t1 - t0
+            r.stats.verify_time_s += t2 - t1
+            emitted.append(r.emit([tokens[i][n] for n in path[1:]] + [bonus[i]],
+                                  self.stop_token_ids | set(r.params.stop_token_ids)))
         return emitted
 
     # --- driving loop -------------------------------------------------------------------

@@ -58,20 +58,26 @@ class NgramIndex:
                     self._last_end[tuple(self.tokens[end - n + 1: end + 1])] = end
             self.tokens.append(tok)
 
-    def propose(self) -> list[int] | None:
+    def propose(self, extra: list[int] = ()) -> list[int] | None:
         """num_tokens tokens that followed the latest earlier occurrence of the longest
         matching suffix, or None. A match close to the end continues into the copy itself
-        (a loop of period p repeats with period p)."""
-        seq, last = self.tokens, len(self.tokens) - 1
+        (a loop of period p repeats with period p). extra: tokens taken as appended to the
+        sequence for this lookup only (a draft tree's guess of the next token)."""
+        seq = self.tokens[-self.cfg.max_ngram:] + list(extra)  # the suffix that is looked up
+        last = len(self.tokens) + len(extra) - 1
+
+        def token(i: int) -> int:
+            return self.tokens[i] if i < len(self.tokens) else extra[i - len(self.tokens)]
+
         for n in range(self.cfg.max_ngram, self.cfg.min_ngram - 1, -1):
-            if last - n + 1 < 0:
+            if len(seq) < n:
                 continue
-            end = self._last_end.get(tuple(seq[last - n + 1:]))
+            end = self._last_end.get(tuple(seq[len(seq) - n:]))
             if end is None:
                 continue
             out: list[int] = []
             for m in range(self.cfg.num_tokens):
-                src = end + 1 + m  # < last + 1 + m, so it is in seq or already in out
-                out.append(seq[src] if src <= last else out[src - last - 1])
+                src = end + 1 + m  # < last + 1 + m, so it is a token or already in out
+                out.append(token(src) if src <= last else out[src - last - 1])
             return out
         return None

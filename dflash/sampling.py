@@ -58,6 +58,19 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
+def target_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The target's own token at every slot: logits (b, k, V), u (b, k) -> (b, k).
+
+    The same draws as sample_from(token_probs(...), u), but greedy rows take the argmax
+    without building (k, V) distributions: over a wide draft tree those cost more than
+    the LM head that made the logits."""
+    y = logits.argmax(-1)
+    sampled = (temperature > 0).nonzero().flatten().to(logits.device)
+    if len(sampled):
+        y[sampled] = sample_from(token_probs(logits[sampled], temperature[sampled], top_p[sampled]), u[sampled])
+    return y
+
+
 def accepted_prefix_length(accept: torch.Tensor) -> torch.Tensor:
     """accept (b, k) bool -> number of leading Trues (b,). [T, T, F, T] -> 2."""
     return accept.long().cumprod(dim=1).sum(dim=1)

@@ -7,10 +7,11 @@ import pytest
 from dflash.lookup import LookupConfig, NgramIndex
 
 
-def brute_force(tokens: list[int], cfg: LookupConfig) -> list[int] | None:
-    """The longest suffix (max_ngram..min_ngram) that occurred earlier; copy what followed its
-    latest earlier occurrence, continuing into the copy when it runs off the end."""
-    last = len(tokens) - 1
+def brute_force(tokens: list[int], cfg: LookupConfig, last: int | None = None) -> list[int] | None:
+    """The longest suffix (max_ngram..min_ngram) that occurred earlier (ending before `last`,
+    by default the final token); copy what followed its latest earlier occurrence,
+    continuing into the copy when it runs off the end."""
+    last = len(tokens) - 1 if last is None else last
     for n in range(cfg.max_ngram, cfg.min_ngram - 1, -1):
         if n > len(tokens):
             continue
@@ -40,6 +41,21 @@ def test_index_proposes_what_a_brute_force_search_finds(cfg):
         matched += want is not None
         unmatched += want is None
     assert matched > 20 and unmatched > 20  # both branches exercised
+
+
+@pytest.mark.parametrize("cfg", [LookupConfig(), LookupConfig(3, 2, 1)])
+def test_lookup_after_extra_tokens_matches_brute_force(cfg):
+    """propose(extra) looks up as if extra were appended, among occurrences that end before
+    the indexed sequence's last token (a draft tree's runner-up first tokens)."""
+    rng = random.Random(1)
+    found = 0
+    for _ in range(300):
+        tokens = [rng.randrange(5) for _ in range(rng.randrange(1, 30))]
+        extra = [rng.randrange(5) for _ in range(rng.randrange(1, 3))]
+        got = NgramIndex(cfg, tokens).propose(extra)
+        assert got == brute_force(tokens + extra, cfg, last=len(tokens) - 1)
+        found += got is not None
+    assert found > 100
 
 
 def test_a_loop_continues_with_its_period():

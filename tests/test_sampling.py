@@ -234,6 +234,38 @@ def test_corpus_drafts_are_lossless_in_distribution(tiny, rule, with_drafter):
     assert n // 4 < from_corpus < cycles and accepted > n // 10, "corpus drafts must be drafted and accepted often"
 
 
+def test_target_tokens_equal_the_full_sampling_path():
+    """The greedy shortcut draws exactly what sample_from(token_probs(...)) draws, row by row."""
+    from dflash.sampling import target_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 5, 50, generator=g) * 3
+    temps, top_ps = torch.tensor([0.0, 1.0, 0.7, 0.0]), torch.tensor([1.0, 0.9, 1.0, 1.0])
+    u = torch.rand(4, 5, generator=g)
+    assert torch.equal(target_tokens(logits, temps, top_ps, u), sample_from(token_probs(logits, temps, top_ps), u))
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_tree_decoding_is_lossless_in_distribution(tiny, with_drafter):
+    """A draft tree (the drafter's runner-up first tokens, context and corpus copies) walked
+    with the target's own samples keeps the target's law."""
+    import random
+
+    from dflash.corpus import CorpusIndex
+    from dflash.tree import TreeConfig
+
+    target, drafter = tiny
+    rng = random.Random(1)
+    corpus = CorpusIndex.from_segments([[rng.randrange(V) for _ in range(10)] for _ in range(12)], V, num_tokens=3)
+    n = 6000
+    dec = SpeculativeDecoder(target, drafter if with_drafter else None, corpus=corpus,
+                             lookup=LookupConfig(num_tokens=2, max_ngram=2, min_ngram=1),
+                             tree=TreeConfig(max_nodes=10, first_candidates=3))
+    out = _decode_in_target_law(dec, n, seed0=40_000)
+    accepted = sum(a - 1 for r in out for a in r.stats.acceptance_lengths)
+    assert accepted > n // 4, "tree drafts must be accepted often"
+
+
 def test_plain_sampling_matches_exact_distribution(tiny):
     """The baseline itself (no drafter) samples the target's distribution."""
     target, _ = tiny
