@@ -24,6 +24,7 @@ from dflash.decoding import SamplingParams, SpeculativeDecoder
 from dflash.lookup import LookupConfig
 from dflash.masks import causal_attention_mask
 from dflash.target import Target
+from dflash.tree import TreeConfig
 
 BF16_MARGIN = 0.5
 
@@ -82,14 +83,16 @@ def run_bench(
     lookup: LookupConfig | None = None,
     corpus: CorpusIndex | None = None,
     drafter_only: bool = False,
+    tree: TreeConfig | None = None,
 ) -> dict:
     """AR vs DFlash on `prompts` (token ids). Returns a JSON-ready summary dict.
     block_size overrides the drafter's (drafting fewer tokens than it was trained for).
     lookup: DFlash cycles copy from the context when they can (dflash.lookup); corpus: else
     draft from the corpus when it knows the last tokens (dflash.corpus); drafter_only also
-    times the drafter without either (the ablation, `drafter_only_*` fields)."""
+    times the drafter without either (the ablation, `drafter_only_*` fields); tree: DFlash
+    verifies a draft tree each cycle (dflash.tree)."""
     ar = SpeculativeDecoder(target)
-    spec = SpeculativeDecoder(target, drafter, block_size=block_size, lookup=lookup, corpus=corpus)
+    spec = SpeculativeDecoder(target, drafter, block_size=block_size, lookup=lookup, corpus=corpus, tree=tree)
     alone = (SpeculativeDecoder(target, drafter, block_size=block_size)
              if drafter_only and (lookup or corpus) else None)
     B = spec.block_size
@@ -164,6 +167,7 @@ def run_bench(
         "dtype": str(target.dtype).replace("torch.", ""),
         "device": str(target.device),
         "block_size": B,
+        "tree_nodes": tree.max_nodes if tree else None,
         "lookup": asdict(lookup) if lookup else None,
         "lookup_cycle_fraction": round(lookup_cycles / len(accept_lengths), 4) if accept_lengths else 0.0,
         "corpus": {"tokens": int(len(corpus.tokens)), "entries": corpus.num_entries} if corpus else None,

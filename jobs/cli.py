@@ -119,6 +119,18 @@ def _corpus(args, target, drafter_name):
         raise UserError(str(e)) from e
 
 
+def _tree(args):
+    """--tree-nodes N > 0: verify a draft tree of up to N tokens a cycle (dflash.tree)."""
+    from dflash.tree import TreeConfig
+
+    if not args.tree_nodes:
+        return None
+    try:
+        return TreeConfig(max_nodes=args.tree_nodes)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+
+
 # --- generate ---------------------------------------------------------------------------
 
 def cmd_generate(args) -> int:
@@ -135,7 +147,7 @@ def cmd_generate(args) -> int:
     try:
         params = SamplingParams(args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         dec = SpeculativeDecoder(target, drafter, verify=args.verify, block_size=args.block_size, lookup=lookup,
-                                 corpus=corpus)
+                                 corpus=corpus, tree=_tree(args))
         req = dec.generate([ids], [params])[0]
     except ValueError as e:
         raise UserError(str(e)) from e
@@ -197,6 +209,7 @@ def cmd_bench(args) -> int:
         raise UserError("bench compares DFlash with AR: it needs a drafter (a directory, 'default' or 'random')")
     lookup = _lookup(args, drafter)
     corpus = _corpus(args, target, drafter_name)
+    tree = _tree(args)
     results = []
     for name, convs in sets:
         convs = convs[: args.limit] if args.limit else convs
@@ -212,7 +225,7 @@ def cmd_bench(args) -> int:
                 r = run_bench(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=temp,
                               top_p=args.top_p, seed=args.seed, prompt_lookup=args.prompt_lookup, progress=progress,
                               block_size=args.block_size, lookup=lookup, corpus=corpus,
-                              drafter_only=args.drafter_only)
+                              drafter_only=args.drafter_only, tree=tree)
             except ValueError as e:  # e.g. a prompt longer than the target's context
                 raise UserError(f"{name}: {e}") from e
             results.append({"dataset": name, "target": target.target_id, "drafter": drafter_name, **r})
@@ -330,6 +343,10 @@ def _target_flags(p):
                    help="corpus lookup: where the context has no match, draft the continuation the target most "
                         "often wrote (lossless). 'auto' (default): the drafter directory's "
                         "corpus/corpus.safetensors if it has one; 'none': off; or a file made by `dflash corpus`")
+    p.add_argument("--tree-nodes", type=int, default=0,
+                   help="verify a draft tree of up to N tokens a cycle: the drafter's block, its runner-up first "
+                        "tokens continued by context or corpus copies, and the copies themselves (dflash.tree; "
+                        "T > 0 then follows the match rule). 0 (default): one draft a cycle")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 

@@ -158,6 +158,7 @@ class DFlashServer:
         from dflash.decoding import SpeculativeDecoder
         from dflash.lookup import LookupConfig
         from dflash.target import load_target
+        from dflash.tree import TreeConfig
 
         torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
@@ -172,7 +173,8 @@ class DFlashServer:
         corpus_path = resolve_corpus(cfg.corpus, path)
         self.corpus_name = str(corpus_path) if corpus_path is not None else None
         corpus = CorpusIndex.load(corpus_path, self.target.vocab_size, cfg.lookup_tokens) if corpus_path else None
-        decoder = SpeculativeDecoder(self.target, drafter, verify=cfg.verify, lookup=lookup, corpus=corpus)
+        tree = TreeConfig(max_nodes=cfg.tree_nodes) if cfg.tree_nodes else None
+        decoder = SpeculativeDecoder(self.target, drafter, verify=cfg.verify, lookup=lookup, corpus=corpus, tree=tree)
         self.metrics = ReplicaMetrics(decoder.max_width)
         self.engine = BatchingEngine(decoder, cfg.max_batch_size, cfg.max_context_tokens, self.metrics.on_step)
         self.model_name = cfg.model_name or self.target.target_id

@@ -46,6 +46,8 @@ class ServeConfig:
     # corpus lookup (dflash.corpus): "auto" = the drafter directory's corpus/corpus.safetensors
     # when it has one; "none"/None = off; or a file made by `dflash corpus`
     corpus: str | None = "auto"
+    # > 0: verify a draft tree of up to this many tokens a cycle (dflash.tree); 0: one draft
+    tree_nodes: int = 0
     model_name: str | None = None  # the id /v1/models reports; default: the target id
     # HTTP
     host: str = "127.0.0.1"
@@ -77,6 +79,8 @@ class ServeConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.lookup_tokens < 1:
             raise ValueError(f"lookup_tokens must be >= 1, got {self.lookup_tokens}")
+        if self.tree_nodes < 0 or self.tree_nodes == 1:
+            raise ValueError(f"tree_nodes must be 0 (off) or >= 2, got {self.tree_nodes}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_ongoing_requests < 1:

@@ -123,6 +123,8 @@ def test_cli_bad_input_is_one_line_nonzero_and_overwrites_nothing(capsys, tmp_pa
         (["generate", "--prompt", "hi", "--target", other_target, "--drafter", "default"], "generate",
          "no reference drafter ships for target hf:"),
         (["serve", f"drafter={tmp_path / 'nodrafter'}"], "serve", "drafter directory not found"),
+        (["generate", "--prompt", "hi", "--tree-nodes", "1"], "generate", "a draft tree needs max_nodes >= 2"),
+        (["serve", "tree_nodes=-3"], "serve", "tree_nodes must be 0 (off) or >= 2"),
         (["export", str(tmp_path / "norun"), str(tmp_path / "x")], "export", "no training checkpoint"),
         (["train", f"data={tmp_path / 'nodata'}", f"output_dir={tmp_path / 'o'}"], "train", "data directory not found"),
     ]
@@ -160,7 +162,7 @@ def test_generate_decodes_with_the_shipped_drafter_by_default(capsys, target_fp3
             "--json", "--threads", "1"]
     runs = {}
     for name, extra in [("auto", []), ("no-lookup", ["--no-lookup", "--corpus", "none"]), ("none", ["--drafter", "none"]),
-                        ("other", ["--target", str(target_fp32.model.name_or_path)])]:
+                        ("other", ["--target", str(target_fp32.model.name_or_path)]), ("tree", ["--tree-nodes", "24"])]:
         rc, out, err = run_cli(capsys, *args, *extra)
         assert rc == 0, err
         runs[name] = (json.loads(out), err)
@@ -173,7 +175,9 @@ def test_generate_decodes_with_the_shipped_drafter_by_default(capsys, target_fp3
     assert none["drafter"] is None and other["drafter"] is None
     assert set(none["stats"]["acceptance_lengths"]) == {1}
     assert "no reference drafter ships for hf:" in runs["other"][1]
-    assert auto["token_ids"] == plain["token_ids"] == none["token_ids"] == other["token_ids"]
+    tree = runs["tree"][0]
+    assert auto["token_ids"] == plain["token_ids"] == none["token_ids"] == other["token_ids"] == tree["token_ids"]
+    assert max(tree["stats"]["acceptance_lengths"]) > 1
 
 
 def test_generate_with_a_corpus_file_drafts_from_it(capsys, tmp_path, target_fp32):
