@@ -79,6 +79,22 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture(scope="session")
+def prompts(target_fp32):
+    """The chat prompts as token ids (ragged lengths: left padding in a batch)."""
+    from support import CHAT_PROMPTS, chat_prompt_ids
+
+    return chat_prompt_ids(target_fp32, CHAT_PROMPTS)
+
+
+@pytest.fixture(scope="session")
+def reference(target_fp32, prompts):
+    """transformers' greedy outputs (fp32, GREEDY_TOKENS each): what lossless decoding must equal."""
+    from support import GREEDY_TOKENS, hf_greedy
+
+    return [hf_greedy(target_fp32, p, GREEDY_TOKENS) for p in prompts]
+
+
+@pytest.fixture(scope="session")
 def trained(target_fp32):
     """A drafter trained briefly (~1 min) to memorise the target's greedy answers to four
     chat prompts: (drafter, history, prompts, outputs)."""

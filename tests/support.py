@@ -11,6 +11,8 @@ from dflash.masks import causal_attention_mask
 from dflash.objective import dflash_loss, implied_tau
 from dflash.target import Target, choose_mask_token_id
 
+GREEDY_TOKENS = 32  # new tokens of the greedy reference outputs (the `reference` fixture)
+
 CHAT_PROMPTS = [
     "What is 2+2?",
     "Write a haiku about the sea.",

@@ -16,20 +16,9 @@ from dflash.drafter import DFlashDrafter
 from dflash.lookup import LookupConfig
 from dflash.masks import causal_attention_mask
 from dflash.target import choose_mask_token_id
-from support import CHAT_PROMPTS, chat_prompt_ids, hf_greedy
+from support import GREEDY_TOKENS as MAX_NEW
 
-MAX_NEW = 32
 BF16_MARGIN = 0.5  # logits; bf16 rounding of a 16-token verify vs 1-token steps stays well inside
-
-
-@pytest.fixture(scope="module")
-def prompts(target_fp32):
-    return chat_prompt_ids(target_fp32, CHAT_PROMPTS)
-
-
-@pytest.fixture(scope="module")
-def reference(target_fp32, prompts):
-    return [hf_greedy(target_fp32, p, MAX_NEW) for p in prompts]
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,9 @@ from dflash.corpus import CorpusIndex, answer_segments
 from dflash.decoding import SamplingParams, SpeculativeDecoder
 from dflash.lookup import LookupConfig
 from dflash.tree import TreeConfig, build_tree
-from support import CHAT_PROMPTS, chat_prompt_ids, hf_greedy
+from support import GREEDY_TOKENS as MAX_NEW
 from test_decoding import BF16_MARGIN, _rescore_margins, _shipped_drafter
 
-MAX_NEW = 32
 
 
 def test_trie_layout_of_the_docstring_example():
@@ -42,16 +41,6 @@ def test_walk_follows_the_target_tokens():
     # nodes: 0:7 1:1 2:2 3:3 4:4 5:9; the target's token at each node
     paths, bonus = tree.walk([[1, 4, 0, 0, 9, 6], [5, 4, 0, 0, 0, 0]])
     assert paths == [[0, 1, 4, 5], [0]] and bonus == [6, 5]
-
-
-@pytest.fixture(scope="module")
-def prompts(target_fp32):
-    return chat_prompt_ids(target_fp32, CHAT_PROMPTS)
-
-
-@pytest.fixture(scope="module")
-def reference(target_fp32, prompts):
-    return [hf_greedy(target_fp32, p, MAX_NEW) for p in prompts]
 
 
 @pytest.mark.parametrize("with_drafter,tree", [
@@ -86,8 +75,7 @@ def test_tree_accepts_at_least_the_chain(target_fp32, prompts, reference):
     assert cycles(tree) < cycles(chain)
 
 
-def test_tree_decoding_bf16_emits_target_argmax(target_bf16):
-    prompts = chat_prompt_ids(target_bf16, CHAT_PROMPTS)
+def test_tree_decoding_bf16_emits_target_argmax(target_bf16, prompts):
     drafter = _shipped_drafter(target_bf16, "bf16")
     dec = SpeculativeDecoder(target_bf16, drafter, lookup=LookupConfig(), tree=TreeConfig())
     out = dec.generate(prompts, SamplingParams(MAX_NEW), batch_size=4)
