@@ -423,11 +423,20 @@ class SpeculativeDecoder:
 
         # commit: keep anchor + accepted drafts (keep = n_acc + 1 slots of this block)
         keep = n_acc + 1
-        width = int(keep.max())
-        s = batch.num_slots
-        if B > width:
-            batch.cache.crop(-(B - width))
-        new_valid = torch.arange(width, device=self.device)[None] < keep[:, None]
+        new_valid = torch.arange(int(keep.max()), device=self.device)[None] < keep[:, None]
+        self._commit(batch, out, positions, new_valid, keep, bonus)
+        draft_list = draft.tolist() if draft is not None else [[]] * b
+        tokens = [draft_list[i][:int(n)] + [int(bonus[i])] for i, n in enumerate(n_acc.tolist())]
+        return self._emit(batch, tokens, sources, t1 - t0, t2 - t1)
+
+    def _commit(self, batch: DecodeBatch, out, positions: torch.Tensor, new_valid: torch.Tensor,
+                keep: torch.Tensor, bonus: torch.Tensor) -> None:
+        """Keep this cycle's verified slots: new_valid (b, width) marks them among the first
+        `width` of the W slots the verify appended (the rest are cropped), keep (b,) counts
+        them per row, bonus (b,) is each row's next anchor."""
+        width, s = new_valid.shape[1], batch.num_slots
+        if positions.shape[1] > width:
+            batch.cache.crop(-(positions.shape[1] - width))
         if self.drafter is not None:
             taps = out.taps[:, :width].masked_fill(~new_valid[..., None], 0)
             batch.context = concat_context(batch.context, self.drafter.context_kv(taps, positions[:, :width]))
@@ -436,16 +445,17 @@ class SpeculativeDecoder:
         batch.next_pos = batch.next_pos + keep
         batch.anchor = bonus
 
+    def _emit(self, batch: DecodeBatch, tokens: list[list[int]], sources: list, draft_s: float,
+              verify_s: float) -> list[list[int]]:
+        """Record each row's cycle (its source: "lookup", "corpus" or None) and emit its tokens."""
         emitted = []
-        draft_list = draft.tolist() if draft is not None else [[]] * b
-        for i, r in enumerate(batch.requests):
-            n = int(n_acc[i])
-            r.stats.acceptance_lengths.append(n + 1)
-            r.stats.lookup_cycles += sources[i] == "lookup"
-            r.stats.corpus_cycles += sources[i] == "corpus"
-            r.stats.draft_time_s += t1 - t0
-            r.stats.verify_time_s += t2 - t1
-            emitted.append(r.emit(draft_list[i][:n] + [int(bonus[i])], self.stop_token_ids | set(r.params.stop_token_ids)))
+        for r, toks, source in zip(batch.requests, tokens, sources):
+            r.stats.acceptance_lengths.append(len(toks))
+            r.stats.lookup_cycles += source == "lookup"
+            r.stats.corpus_cycles += source == "corpus"
+            r.stats.draft_time_s += draft_s
+            r.stats.verify_time_s += verify_s
+            emitted.append(r.emit(toks, self.stop_token_ids | set(r.params.stop_token_ids)))
         return emitted
 
     # --- a cycle that verifies a draft tree (dflash.tree) -------------------------------
@@ -498,34 +508,15 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
 
         # commit: keep each row's path; the cache keeps the first `width` slots of the tree
-        width = max(max(path) for path in paths) + 1
-        if w > width:
-            batch.cache.crop(-(w - width))
-        new_valid = torch.zeros(b, width, dtype=torch.bool)
+        new_valid = torch.zeros(b, max(max(path) for path in paths) + 1, dtype=torch.bool)
         for i, path in enumerate(paths):
             new_valid[i, path] = True
-        new_valid = new_valid.to(self.device)
-        if self.drafter is not None:
-            taps = out.taps[:, :width].masked_fill(~new_valid[..., None], 0)
-            batch.context = concat_context(batch.context, self.drafter.context_kv(taps, positions[:, :width]))
-        batch.slot_valid = torch.cat([batch.slot_valid, new_valid], dim=1)
         keep = torch.tensor([len(path) for path in paths], device=self.device)
-        batch.next_pos = batch.next_pos + keep
-        batch.anchor = torch.tensor(bonus, device=self.device)
-
-        emitted = []
-        tokens = tree.tokens.tolist()
-        for i, r in enumerate(batch.requests):
-            path = paths[i]
-            source = tree.source[i][path[-1]]
-            r.stats.acceptance_lengths.append(len(path))
-            r.stats.lookup_cycles += source == "lookup"
-            r.stats.corpus_cycles += source == "corpus"
-            r.stats.draft_time_s += t1 - t0
-            r.stats.verify_time_s += t2 - t1
-            emitted.append(r.emit([tokens[i][n] for n in path[1:]] + [bonus[i]],
-                                  self.stop_token_ids | set(r.params.stop_token_ids)))
-        return emitted
+        self._commit(batch, out, positions, new_valid.to(self.device), keep, torch.tensor(bonus, device=self.device))
+        nodes = tree.tokens.tolist()
+        tokens = [[nodes[i][n] for n in path[1:]] + [bonus[i]] for i, path in enumerate(paths)]
+        sources = [tree.source[i][path[-1]] for i, path in enumerate(paths)]
+        return self._emit(batch, tokens, sources, t1 - t0, t2 - t1)
 
     # --- driving loop -------------------------------------------------------------------
     def drop_finished(self, batch: DecodeBatch) -> tuple[DecodeBatch | None, list[Request]]:
