@@ -69,7 +69,7 @@ def target_top_k(target, rows, k=SOFT_TOP_K):
     for ids, _, _ in rows:
         n = len(ids)
         logits = target.forward(ids[None], torch.arange(n)[None], causal_attention_mask(torch.ones(1, n, dtype=torch.bool)),
-                                None).logits[0]  # (n, V): row p predicts token p+1
+                                None).logits[0].float()  # (n, V): row p predicts token p+1
         top = torch.softmax(logits, -1).topk(k, -1)
         ids_k = torch.cat([torch.zeros(1, k, dtype=torch.long), top.indices[:-1]])
         probs_k = torch.cat([torch.zeros(1, k), top.values[:-1]]).to(torch.float16)

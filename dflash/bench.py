@@ -38,7 +38,7 @@ def emitted_token_margins(target: Target, prompt: list[int], output: list[int]) 
     ids = torch.tensor([prompt + output], device=target.device)
     valid = torch.ones_like(ids, dtype=torch.bool)
     pos = torch.arange(ids.shape[1], device=target.device)[None]
-    rows = target.forward(ids, pos, causal_attention_mask(valid)).logits[0, len(prompt) - 1: -1]
+    rows = target.forward(ids, pos, causal_attention_mask(valid)).logits[0, len(prompt) - 1: -1].float()
     chosen = rows.gather(1, torch.tensor(output, device=rows.device)[:, None]).squeeze(1)
     return (rows.max(1).values - chosen).cpu()
 

@@ -42,7 +42,8 @@ from dflash.corpus import CorpusIndex
 from dflash.drafter import DFlashDrafter, OutputHead, concat_context
 from dflash.lookup import LookupConfig, NgramIndex
 from dflash.masks import causal_attention_mask, extend_attention_mask
-from dflash.sampling import VERIFY_RULES, sample_from, target_tokens, token_probs, verify_match, verify_rejection
+from dflash.sampling import (VERIFY_RULES, greedy_tokens, sample_from, target_tokens, token_probs, verify_match,
+                             verify_rejection)
 from dflash.target import Target
 from dflash.tree import DraftTree, TreeConfig, build_tree
 
@@ -326,7 +327,7 @@ class SpeculativeDecoder:
             context = self.drafter.context_kv(taps, positions)
         batch = DecodeBatch(requests, cache, context, valid, lens.clone(), torch.zeros_like(lens))
         temps, top_ps = self._param_tensors(requests)
-        first = sample_from(token_probs(out.logits[:, -1], temps, top_ps), self._uniforms(batch, 1)[:, 0])
+        first = target_tokens(out.logits, temps, top_ps, self._uniforms(batch, 1))[:, 0]
         batch.anchor = first
         self._sync()
         dt = time.perf_counter() - t0
@@ -337,16 +338,20 @@ class SpeculativeDecoder:
 
     # --- one speculative cycle ----------------------------------------------------------
     @torch.no_grad()
-    def draft_logits(self, batch: DecodeBatch) -> torch.Tensor:
-        """One drafter pass over [anchor, MASK x (B-1)] per row -> logits (b, B-1, V) for
-        the tokens at positions next_pos+1 .. next_pos+B-1."""
+    def draft_scores(self, batch: DecodeBatch) -> torch.Tensor:
+        """One drafter pass over [anchor, MASK x (B-1)] per row -> logits (b, B-1, K) over
+        the drafter's K draftable tokens (self.head) for positions next_pos+1 .. next_pos+B-1."""
         b, B = len(batch), self.block_size
         block = torch.full((b, B), self.mask_token_id, dtype=torch.long, device=self.device)
         block[:, 0] = batch.anchor
         positions = batch.next_pos[:, None] + torch.arange(B, device=self.device)
         hidden = self.drafter(self.target.embed(block), positions, batch.context,
                               extend_attention_mask(batch.slot_valid, B, causal=False))
-        return self.head.full(self.head.logits(hidden[:, 1:]))
+        return self.head.logits(hidden[:, 1:])
+
+    def draft_logits(self, batch: DecodeBatch) -> torch.Tensor:
+        """draft_scores over the whole target vocabulary (b, B-1, V): -inf where undraftable."""
+        return self.head.full(self.draft_scores(batch))
 
     def _propose(self, r: Request) -> tuple[list[int] | None, str | None]:
         """A draft that needs no drafter pass, and where it came from: the context, the corpus or none."""
@@ -356,16 +361,19 @@ class SpeculativeDecoder:
             return c, "corpus"
         return None, None
 
-    def _draft(self, batch: DecodeBatch, temps, top_ps, u) -> tuple[torch.Tensor | None, torch.Tensor | None, list]:
-        """This cycle's drafts (b, W-1), the distributions they were drawn from (b, W-1, V)
-        and per row where its draft came from ("lookup", "corpus" or None for the drafter);
-        W is this cycle's verify width: the longest draft + 1, at least block_size while any
-        row drafts with the drafter (drafts None when W = 1).
+    def _draft(self, batch: DecodeBatch, temps, top_ps, u, rejection: bool
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None, list]:
+        """This cycle's drafts (b, W-1), the distributions they were drawn from (b, W-1, V;
+        built only for the rejection rule, else None) and per row where its draft came from
+        ("lookup", "corpus" or None for the drafter); W is this cycle's verify width: the
+        longest draft + 1, at least block_size while any row drafts with the drafter
+        (drafts None when W = 1).
 
         A lookup or corpus draft is a proposal with probability one; a short one is padded
-        with its last token. The other rows draft with the drafter; slots past its block
-        repeat its last draft with probability one. Every draft depends on the context alone,
-        which is what the rejection rule needs."""
+        with its last token. The other rows draft with the drafter: its argmax, or a sample
+        under the rejection rule; slots past its block repeat its last draft with
+        probability one. Every draft depends on the context alone, which is what the
+        rejection rule needs."""
         b, B = len(batch), self.block_size
         copies, sources = zip(*[self._propose(r) for r in batch.requests])
         copied = [c is not None for c in copies]
@@ -375,14 +383,20 @@ class SpeculativeDecoder:
         draft = batch.anchor[:, None].repeat(1, W - 1)  # placeholders, overwritten below
         q_drafter = None
         if self.drafter is not None and not all(copied):
-            q_drafter = token_probs(self.draft_logits(batch), temps, top_ps)  # (b, B-1, V)
-            d = sample_from(q_drafter, u[:, : B - 1]) if self.verify == "rejection" else q_drafter.argmax(-1)
+            logits = self.draft_scores(batch)  # (b, B-1, K) over the draft vocabulary
+            if rejection:
+                q_drafter = token_probs(self.head.full(logits), temps, top_ps)  # (b, B-1, V)
+                d = sample_from(q_drafter, u[:, : B - 1])
+            else:
+                d = self.head.token_ids(greedy_tokens(logits))
             draft[:, : B - 1] = d
             draft[:, B - 1:] = d[:, -1:]
         for i, c in enumerate(copies):
             if c is not None:
                 c = (c + c[-1:] * W)[: W - 1]
                 draft[i] = torch.tensor(c, device=self.device)
+        if not rejection:
+            return draft, None, list(sources)
         q = torch.zeros(b, W - 1, self.target.vocab_size, device=self.device).scatter_(-1, draft[..., None], 1.0)
         if q_drafter is not None:
             rows = torch.tensor([not c for c in copied], device=self.device)
@@ -400,9 +414,12 @@ class SpeculativeDecoder:
         b = len(batch)
         temps, top_ps = self._param_tensors(batch.requests)
         u = self._uniforms(batch, 3 * self.max_width)  # draft sampling | acceptance | target/bonus draws
+        # the rejection rule on greedy rows is the match rule on argmaxes (dflash.sampling):
+        # distributions are built only for a cycle with a sampled row
+        rejection = self.verify == "rejection" and bool((temps > 0).any())
 
         t0 = time.perf_counter()
-        draft, q, sources = self._draft(batch, temps, top_ps, u)
+        draft, q, sources = self._draft(batch, temps, top_ps, u, rejection)
         B = 1 if draft is None else draft.shape[1] + 1  # this cycle's verify width
         positions = batch.next_pos[:, None] + torch.arange(B, device=self.device)  # (b, B)
         verify_ids = batch.anchor[:, None] if draft is None else torch.cat([batch.anchor[:, None], draft], dim=1)
@@ -410,14 +427,14 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         out = self.target.forward(verify_ids, positions, extend_attention_mask(batch.slot_valid, B, causal=True),
                                   batch.cache, tap_layer_ids=self.tap_ids if self.drafter is not None else None)
-        p = token_probs(out.logits, temps, top_ps)  # (b, B, V)
         if draft is None:
             n_acc = torch.zeros(b, dtype=torch.long, device=self.device)
-            bonus = sample_from(p[:, 0], u[:, 2 * B])
-        elif self.verify == "rejection":
+            bonus = target_tokens(out.logits, temps, top_ps, u[:, 2 * B: 2 * B + 1])[:, 0]
+        elif rejection:
+            p = token_probs(out.logits, temps, top_ps)  # (b, B, V)
             n_acc, bonus = verify_rejection(draft, q, p, u[:, B - 1: 2 * B - 2], u[:, 2 * B])
         else:
-            n_acc, bonus = verify_match(draft, p, u[:, 2 * B - 1: 3 * B - 1] if B > 1 else u[:, 2 * B:])
+            n_acc, bonus = verify_match(draft, target_tokens(out.logits, temps, top_ps, u[:, 2 * B - 1: 3 * B - 1]))
         self._sync()
         t2 = time.perf_counter()
 
@@ -466,9 +483,10 @@ class SpeculativeDecoder:
         depth = self.max_width - 1
         chain = top = None
         if self.drafter is not None:
-            logits = self.draft_logits(batch)  # (b, B-1, V)
-            chain = logits.argmax(-1).tolist()
-            top = logits[:, 0].topk(self.tree.first_candidates, dim=-1).indices.tolist()
+            logits = self.draft_scores(batch)  # (b, B-1, K)
+            chain = self.head.token_ids(greedy_tokens(logits)).tolist()
+            k = min(self.tree.first_candidates, logits.shape[-1])
+            top = self.head.token_ids(logits[:, 0].topk(k, dim=-1).indices).tolist()
         rows = []
         for i, r in enumerate(batch.requests):
             ctx = r.last_tokens(max(CORPUS_ORDERS))

@@ -196,7 +196,8 @@ class OutputHead:
     logits(hidden) -> (..., K) scores over the K draftable tokens (K = V without a draft
     vocabulary); full(logits) -> (..., V) with -inf on tokens the drafter never drafts, so
     sampling and verification code sees ordinary target-vocabulary distributions;
-    index(labels) -> the labels' columns in `logits`, -1 for tokens outside the vocabulary.
+    index(labels) -> the labels' columns in `logits`, -1 for tokens outside the vocabulary;
+    token_ids(columns) -> back to target token ids.
     """
 
     def __init__(self, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor | None):
@@ -219,6 +220,10 @@ class OutputHead:
             return logits
         out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.vocab, logits)
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Columns of `logits` -> target token ids (the inverse of `index`)."""
+        return columns if self.vocab is None else self.vocab[columns]
 
     def index(self, labels: torch.Tensor) -> torch.Tensor:
         return labels if self._column is None else self._column[labels]

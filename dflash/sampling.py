@@ -3,7 +3,9 @@
 Greedy decoding is the temperature-0 limit of everything here: `token_probs` returns a
 one-hot distribution at the argmax, so both verification rules reduce to "accept while the
 draft equals the target's argmax, then emit the target's argmax" and one code path serves
-greedy and sampled requests in the same batch.
+greedy and sampled requests in the same batch. The decoder takes the short way where it
+can: a cycle with no sampled row under the rejection rule is the match rule on argmaxes
+(`target_tokens`), with no (b, k, V) distributions built at all.
 
 Verification rules (DESIGN.md section 1), for draft tokens d_1..d_k and target
 distributions p_1..p_{k+1} (p_i is the target's distribution for the token at draft slot i):
@@ -21,6 +23,14 @@ from __future__ import annotations
 import torch
 
 VERIFY_RULES = ("match", "rejection")
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits (..., V) -> the argmax (...), the first maximum like torch.argmax (tested).
+
+    max(-1).indices because it is several times faster than argmax over a vocabulary on CPU
+    (49K bf16 logits: 36 vs 161 us a row, 2 threads), which a wide verify pays per slot."""
+    return logits.max(-1).indices
 
 
 def token_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -42,7 +52,7 @@ def token_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         probs = torch.where(keep, probs, torch.zeros_like(probs))
         probs = probs / probs.sum(-1, keepdim=True)
-    onehot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
+    onehot = torch.zeros_like(probs).scatter(-1, greedy_tokens(logits)[..., None], 1.0)
     return torch.where(greedy, onehot, probs)
 
 
@@ -64,7 +74,7 @@ def target_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     The same draws as sample_from(token_probs(...), u), but greedy rows take the argmax
     without building (k, V) distributions: over a wide draft tree those cost more than
     the LM head that made the logits."""
-    y = logits.argmax(-1)
+    y = greedy_tokens(logits)
     sampled = (temperature > 0).nonzero().flatten().to(logits.device)
     if len(sampled):
         y[sampled] = sample_from(token_probs(logits[sampled], temperature[sampled], top_p[sampled]), u[sampled])
@@ -76,9 +86,10 @@ def accepted_prefix_length(accept: torch.Tensor) -> torch.Tensor:
     return accept.long().cumprod(dim=1).sum(dim=1)
 
 
-def verify_match(draft: torch.Tensor, p: torch.Tensor, u_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """draft (b, k); p (b, k+1, V); u_target (b, k+1) -> (num_accepted (b,), bonus (b,))."""
-    y = sample_from(p, u_target)  # (b, k+1): the target's own samples
+def verify_match(draft: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft (b, k); y (b, k+1) the target's own tokens (target_tokens) -> (num_accepted (b,), bonus (b,)).
+
+    The rejection rule on a greedy row (one-hot p and q) is this rule on its argmax."""
     n = accepted_prefix_length(draft == y[:, :-1])
     return n, y.gather(1, n[:, None]).squeeze(1)
 

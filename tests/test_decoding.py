@@ -81,7 +81,7 @@ def _rescore_margins(target, prompt, output):
     """For each emitted token: max logit - logit of the token, teacher-forced in one pass."""
     ids = torch.tensor([prompt + output])
     valid = torch.ones_like(ids, dtype=torch.bool)
-    logits = target.forward(ids, torch.arange(ids.shape[1])[None], causal_attention_mask(valid)).logits[0]
+    logits = target.forward(ids, torch.arange(ids.shape[1])[None], causal_attention_mask(valid)).logits[0].float()
     rows = logits[len(prompt) - 1: len(prompt) - 1 + len(output)]
     chosen = rows.gather(1, torch.tensor(output)[:, None]).squeeze(1)
     return rows.max(1).values - chosen

@@ -81,9 +81,38 @@ def test_verify_rules_match_loop_reference():
     ua, ut, ub = torch.rand(b, k, generator=g), torch.rand(b, k + 1, generator=g), torch.rand(b, generator=g)
     n, bonus = verify_rejection(draft, q, p, ua, ub)
     assert (n.tolist(), bonus.tolist()) == _loop_rejection(draft, q, p, ua, ub)
-    n, bonus = verify_match(draft, p, ut)
+    n, bonus = verify_match(draft, sample_from(p, ut))
     assert (n.tolist(), bonus.tolist()) == _loop_match(draft, p, ut)
     assert 0 < n.float().mean() < k  # both accept and reject paths are exercised
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_tokens_is_argmax_even_on_ties(dtype):
+    """greedy_tokens (max(-1).indices, the fast path) picks the first maximum, like argmax."""
+    from dflash.sampling import greedy_tokens
+
+    g = torch.Generator().manual_seed(2)
+    tied = torch.randint(0, 3, (4, 9, 4096), generator=g).to(dtype)  # every row has many tied maxima
+    spread = torch.randn(4, 9, 49152, generator=g).to(dtype)
+    for x in (tied, spread, tied[:, 0]):
+        assert torch.equal(greedy_tokens(x), x.argmax(-1))
+
+
+def test_rejection_on_greedy_rows_is_match_on_argmax():
+    """The decoder's shortcut: with one-hot p (T=0) and one-hot q (an argmax or copied draft)
+    the rejection rule accepts and emits exactly what the match rule does on the argmaxes."""
+    g = torch.Generator().manual_seed(1)
+    b, k, V = 256, 4, 5
+    logits = torch.randn(b, k + 1, V, generator=g)
+    zero, one = torch.zeros(b), torch.ones(b)
+    p = token_probs(logits, zero, one)
+    guess = torch.randint(0, V, (b, k), generator=g)  # right 70% of the time, else a random token
+    draft = torch.where(torch.rand(b, k, generator=g) < 0.7, logits[:, :k].argmax(-1), guess)
+    q = torch.zeros(b, k, V).scatter_(-1, draft[..., None], 1.0)
+    n, bonus = verify_rejection(draft, q, p, torch.rand(b, k, generator=g), torch.rand(b, generator=g))
+    n2, bonus2 = verify_match(draft, logits.argmax(-1))
+    assert torch.equal(n, n2) and torch.equal(bonus, bonus2)
+    assert 0 < n.float().mean() and (n == k).any() and (n == 0).any()
 
 
 # --- losslessness in distribution, on a tiny random model ------------------------------
