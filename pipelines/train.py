@@ -334,14 +334,33 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 save(step, epoch + end_of_epoch, 0 if end_of_epoch else i + 1, metrics)
                 last_saved = step
             if cfg.fail_at_step and step == cfg.fail_at_step and rank == world - 1:
-                marker = Path(plan.run_dir) / f".failed_at_{step}"
-                if not marker.exists():
-                    marker.touch()
-                    os._exit(1)  # a hard worker death, as a crash or lost node would be
+                die_once(Path(plan.run_dir) / f".failed_at_{step}")
         micro_done = 0
         epoch += 1
     if last_saved != step:  # e.g. resumed at the end, or a run that had no step left
         save(step, epoch, 0, metrics or {"step": step})
+
+
+def die_once(marker: Path) -> None:
+    """Fault injection for tests (fail_at_step): a hard worker death, as a crash or a lost
+    node would be, once per run (the marker file remembers it).
+
+    Ray Train registers a reported checkpoint only when its controller polls the workers'
+    reports (every couple of seconds). A worker that died sooner than that would take the
+    last checkpoint with it, and the restart would begin from the one before (a race that a
+    loaded machine loses). So the dying worker first waits until the controller has taken
+    its reports, then gives the reply a moment to leave the process."""
+    if marker.exists():
+        return
+    marker.touch()
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        get_train_context().get_result_queue().join()  # every report taken by the controller
+        time.sleep(1.0)
+    except Exception:  # another Ray Train version: outwait its poll instead
+        time.sleep(10.0)
+    os._exit(1)
 
 
 # --- evaluation: the true tau, by speculative decoding ---------------------------------------
