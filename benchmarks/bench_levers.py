@@ -36,8 +36,11 @@ VARIANTS = {  # name -> changes to the base recipe
     "block16": {"block_size": 16},
     "vocab4096": {"draft_vocab_size": 4096},
     "layers2": {"num_draft_layers": 2},
+    "layers3": {"num_draft_layers": 3},
+    "layers4": {"num_draft_layers": 4},
     "soft": {"soft_weight": 1.0},  # logit distillation: CE against the target's top-k distribution
     "soft0.5": {"soft_weight": 0.5},  # half hard labels, half the target's distribution
+    "layers3+soft0.5": {"num_draft_layers": 3, "soft_weight": 0.5},
 }
 BASE = {"lr": 1e-3, "init": "random", "tap_scaling": "none", "num_anchors": 64, "block_size": 8,
         "draft_vocab_size": 8192, "num_draft_layers": 1, "warmup": 20, "soft_weight": 0.0}
