@@ -9,7 +9,9 @@ runs, without Ray) on every shard but the last, and is scored every --eval-every
 the first --eval-rows rows of the last shard with fixed anchors (loss over the draft
 vocabulary, top-1 accuracy per block position over all labels). One thread, bf16 by
 default: the fast path on these CPUs. `--train-rows N` trains on the first N rows only, so
-a few thousand steps run several epochs and show how a lever copes with memorisation;
+a few thousand steps run several epochs and show how a lever copes with memorisation
+(`--train-rows 176,352,704` runs every variant at each size: a data-scaling curve); the
+`taps*` variants read a subset of the stored tapped layers;
 the `soft*` variants (logit distillation) first compute the target's top-32 next-token
 distribution over those rows, teacher-forced. A lever that wins here is then confirmed by the
 true tau of `dflash train ... eval_every=` (speculative decoding of held-out prompts).
@@ -41,9 +43,15 @@ VARIANTS = {  # name -> changes to the base recipe
     "soft": {"soft_weight": 1.0},  # logit distillation: CE against the target's top-k distribution
     "soft0.5": {"soft_weight": 0.5},  # half hard labels, half the target's distribution
     "layers3+soft0.5": {"num_draft_layers": 3, "soft_weight": 0.5},
+    # taps: which of the distilled tapped layers the drafter reads (indices into the stored
+    # taps; the reference data taps layers [1, 8, 14, 20, 27] of 30)
+    "taps3": {"taps": (0, 2, 4)},  # [1, 14, 27]
+    "taps-late": {"taps": (3, 4)},  # [20, 27]
+    "taps-last": {"taps": (4,)},  # [27] only
+    "taps-early": {"taps": (0, 1)},  # [1, 8] only
 }
 BASE = {"lr": 1e-3, "init": "random", "tap_scaling": "none", "num_anchors": 64, "block_size": 8,
-        "draft_vocab_size": 8192, "num_draft_layers": 1, "warmup": 20, "soft_weight": 0.0}
+        "draft_vocab_size": 8192, "num_draft_layers": 1, "warmup": 20, "soft_weight": 0.0, "taps": None}
 SOFT_TOP_K = 32
 
 
@@ -80,6 +88,17 @@ def target_top_k(target, rows, k=SOFT_TOP_K):
     return out
 
 
+def response_token_counts(rows, vocab_size):
+    """(V,) how often each token id occurs among the response tokens of these rows: the
+    draft vocabulary comes from the rows a variant trains on, never from held-out ones."""
+    import numpy as np
+
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, mask, _ in rows:
+        counts += np.bincount(ids[mask].numpy(), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 def soft_batch(soft, idx):
     t = max(len(soft[i][0]) for i in idx)
     ids = torch.zeros(len(idx), t, SOFT_TOP_K, dtype=torch.long)
@@ -87,6 +106,13 @@ def soft_batch(soft, idx):
     for j, i in enumerate(idx):
         ids[j, : len(soft[i][0])], probs[j, : len(soft[i][0])] = soft[i]
     return ids, probs
+
+
+def select_taps(taps, subset, d):
+    """The chosen taps' columns of (..., n_taps*d) concatenated features (all when subset is None)."""
+    if subset is None:
+        return taps
+    return torch.cat([taps[..., i * d: (i + 1) * d] for i in subset], -1)
 
 
 def batch_of(rows):
@@ -110,6 +136,9 @@ def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_co
     from pipelines.train_data import most_frequent_tokens
 
     torch.manual_seed(seed)
+    subset = recipe["taps"]
+    if subset is not None:
+        layer_ids = [layer_ids[i] for i in subset]
     cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), recipe["num_draft_layers"],
                                    recipe["block_size"], list(layer_ids), draft_vocab_size=recipe["draft_vocab_size"])
     drafter = DFlashDrafter(cfg)
@@ -122,7 +151,7 @@ def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_co
     drafter = drafter.to(target.dtype)
     scale = None
     if recipe["tap_scaling"] == "rms":
-        scale = torch.tensor(recipe["_tap_scale"])
+        scale = select_taps(torch.tensor(recipe["_tap_scale"]), subset, target.config.hidden_size)
     opt = torch.optim.AdamW([p for p in drafter.parameters()], lr=recipe["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, recipe["warmup"] / steps))
     head = OutputHead(target.model.lm_head.weight, drafter.draft_vocab)
@@ -131,7 +160,9 @@ def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_co
     eval_anchors = None
     history, t0 = [], time.perf_counter()
 
+
     def scaled(taps):
+        taps = select_taps(taps, subset, target.config.hidden_size)
         return taps.to(target.dtype) if scale is None else (taps.float() * scale).to(target.dtype)
 
     def evaluate(step):
@@ -183,8 +214,9 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-rows", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--train-rows", type=int, default=0, help="train on only this many rows (0 = all): "
-                    "a small set shows how a lever copes with memorisation within a few epochs")
+    ap.add_argument("--train-rows", default="0", help="train on only the first N rows (0 = all): a small set "
+                    "shows how a lever copes with memorisation within a few epochs; a comma list (176,352,704) "
+                    "runs every variant at every size, each with the draft vocabulary of its own rows")
     ap.add_argument("--variants", default="base,rms,target,zero")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--threads", type=int, default=1)
@@ -196,18 +228,18 @@ def main() -> None:
     from dflash.data import read_dataset_metadata, shard_files
     from dflash.target import load_target
     from pipelines.train import tap_rms_scale
-    from pipelines.train_data import DataInfo, response_token_counts
 
     files = shard_files(args.data)
     if len(files) < 2:
         raise SystemExit(f"{args.data}: need at least two shards (train on all but the last, score on the last)")
     meta = read_dataset_metadata(args.data)
     target = load_target("default", dtype=args.dtype)
-    train_rows, eval_rows = load_rows(files[:-1], args.train_rows or None), load_rows(files[-1:], args.eval_rows)
-    counts = response_token_counts(DataInfo(tuple(map(str, files[:-1])), len(train_rows), meta), target.vocab_size)
+    sizes = [int(n) for n in args.train_rows.split(",")]
+    train_rows = load_rows(files[:-1], None if 0 in sizes else max(sizes))
+    eval_rows = load_rows(files[-1:], args.eval_rows)
+    sizes = [n or len(train_rows) for n in sizes]
     tap_scale = tap_rms_scale(files[:-1])
-    response_tokens = sum(int(m.sum()) for _, m, _ in train_rows)
-    print(f"{len(train_rows)} training rows ({response_tokens} response tokens), {len(eval_rows)} held-out rows, "
+    print(f"{len(train_rows)} training rows loaded, {len(eval_rows)} held-out rows, "
           f"taps {list(meta.target_layer_ids)}, {args.dtype}, {args.threads} thread(s)", flush=True)
     names = args.variants.split(",")
     soft = None
@@ -216,17 +248,23 @@ def main() -> None:
         soft = target_top_k(target, train_rows)
         print(f"target top-{SOFT_TOP_K} distributions of the training rows: {time.perf_counter() - t0:.0f} s", flush=True)
     results = {}
-    for name in names:
-        recipe = BASE | VARIANTS[name] | {"_tap_scale": tap_scale}
-        print(f"{name}: {VARIANTS[name] or 'the base recipe'}", flush=True)
-        results[name] = run_variant(name, recipe, target, train_rows, eval_rows, meta.target_layer_ids, counts,
-                                    args.steps, args.eval_every, args.micro_batch, args.seed, soft)
-    print(f"\n| variant | eval loss | implied tau | acc k=1 | acc k=2 | acc k=3 | seconds |\n|---|---|---|---|---|---|---|")
+    for n in sizes:
+        rows = train_rows[:n]
+        counts = response_token_counts(rows, target.vocab_size)
+        print(f"{n} training rows: {int(counts.sum())} response tokens", flush=True)
+        for name in names:
+            key = name if len(sizes) == 1 else f"{name}@{n}"
+            recipe = BASE | VARIANTS[name] | {"_tap_scale": tap_scale}
+            print(f"{key}: {VARIANTS[name] or 'the base recipe'}", flush=True)
+            results[key] = run_variant(key, recipe, target, rows, eval_rows, meta.target_layer_ids, counts,
+                                       args.steps, args.eval_every, args.micro_batch, args.seed, soft)
+    print("\n| variant | eval loss | implied tau | acc k=1 | acc k=2 | acc k=3 | best implied tau (step) | seconds |\n"
+          "|---|---|---|---|---|---|---|---|")
     for name, hist in results.items():
-        last = hist[-1]
+        last, best = hist[-1], max(hist, key=lambda r: r["eval_implied_tau"])
         a = last["eval_accuracy"]
         print(f"| {name} | {last['eval_loss']:.3f} | {last['eval_implied_tau']:.3f} | {a[0]:.3f} | {a[1]:.3f} | "
-              f"{a[2]:.3f} | {last['seconds']:.0f} |")
+              f"{a[2]:.3f} | {best['eval_implied_tau']:.3f} ({best['step']}) | {last['seconds']:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"base": BASE, "steps": args.steps, "results": results}, indent=1))
 
