@@ -88,9 +88,10 @@ def target_top_k(target, rows, k=SOFT_TOP_K):
     return out
 
 
-def response_token_counts(rows, vocab_size):
-    """(V,) how often each token id occurs among the response tokens of these rows: the
-    draft vocabulary comes from the rows a variant trains on, never from held-out ones."""
+def row_token_counts(rows, vocab_size):
+    """(V,) how often each token id occurs among the response tokens of these in-memory rows
+    (pipelines.train_data.response_token_counts counts whole shard files): the draft
+    vocabulary comes from the rows a variant trains on, never from held-out ones."""
     import numpy as np
 
     counts = np.zeros(vocab_size, dtype=np.int64)
@@ -159,7 +160,6 @@ def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_co
     eval_batch = batch_of(eval_rows)
     eval_anchors = None
     history, t0 = [], time.perf_counter()
-
 
     def scaled(taps):
         taps = select_taps(taps, subset, target.config.hidden_size)
@@ -250,7 +250,7 @@ def main() -> None:
     results = {}
     for n in sizes:
         rows = train_rows[:n]
-        counts = response_token_counts(rows, target.vocab_size)
+        counts = row_token_counts(rows, target.vocab_size)
         print(f"{n} training rows: {int(counts.sum())} response tokens", flush=True)
         for name in names:
             key = name if len(sizes) == 1 else f"{name}@{n}"
