@@ -4,7 +4,8 @@ Both run in the same process, on the same prompts, one prompt at a time (latency
 regime speculative decoding is for), after a warm-up; transformers' prompt-lookup decoding
 (n-gram drafts copied from the prompt) can run beside them as a peer baseline, and with
 context lookup on, DFlash without it as the ablation. Reported per run: tau, acceptance
-histogram, tokens/s of each, speedup, the exact-match rate against AR, and `lossless`:
+histogram and acceptance by draft position, tokens/s of each, speedup, the cycle cost in AR
+steps, the exact-match rate against AR, and `lossless`:
   fp32 greedy  every DFlash output equals the AR output token for token;
   bf16 greedy  every emitted token is the target's argmax given the emitted prefix, up to
                `margin` logits, re-scored with one teacher-forced pass (a multi-token verify
@@ -41,6 +42,18 @@ def emitted_token_margins(target: Target, prompt: list[int], output: list[int]) 
     rows = target.forward(ids, pos, causal_attention_mask(valid)).logits[0, len(prompt) - 1: -1].float()
     chosen = rows.gather(1, torch.tensor(output, device=rows.device)[:, None]).squeeze(1)
     return (rows.max(1).values - chosen).cpu()
+
+
+def acceptance_by_position(histogram: list[int]) -> list[float | None]:
+    """histogram[k] = cycles that emitted k + 1 tokens (k drafts accepted, plus the bonus)
+    -> for draft position k = 1..len-1, P(accepted | every draft before it was accepted),
+    None where no cycle reached it. tau = 1 + p1 + p1*p2 + ..., so this says which
+    position a drafter loses its tokens at."""
+    rates: list[float | None] = []
+    for k in range(1, len(histogram)):
+        reached = sum(histogram[k - 1:])  # cycles whose drafts 1..k-1 were all accepted
+        rates.append(sum(histogram[k:]) / reached if reached else None)
+    return rates
 
 
 def _prompt_lookup(target: Target, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
@@ -160,6 +173,7 @@ def run_bench(
         lossless = worst_margin <= margin
     ar_tps = ar_tokens / ar_time if ar_time else 0.0
     spec_tps = spec_tokens / spec_time if spec_time else 0.0
+    tau = sum(accept_lengths) / len(accept_lengths) if accept_lengths else 0.0
     result = {
         "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
@@ -172,11 +186,14 @@ def run_bench(
         "lookup_cycle_fraction": round(lookup_cycles / len(accept_lengths), 4) if accept_lengths else 0.0,
         "corpus": {"tokens": int(len(corpus.tokens)), "entries": corpus.num_entries} if corpus else None,
         "corpus_cycle_fraction": round(corpus_cycles / len(accept_lengths), 4) if accept_lengths else 0.0,
-        "tau": round(sum(accept_lengths) / len(accept_lengths), 4) if accept_lengths else 0.0,
+        "tau": round(tau, 4),
         "acceptance_histogram": hist,
+        "acceptance_by_position": [None if p is None else round(p, 4) for p in acceptance_by_position(hist)],
         "ar_tokens_per_s": round(ar_tps, 3),
         "dflash_tokens_per_s": round(spec_tps, 3),
         "speedup": round(spec_tps / ar_tps, 4) if ar_tps else 0.0,
+        # one DFlash cycle's time in AR steps (= tau / speedup): 2x needs tau = 2 x this
+        "cycle_cost_ar_steps": round(tau * ar_tps / spec_tps, 4) if spec_tps else 0.0,
         "exact_match_rate": round(exact / len(prompts), 4),
         "lossless": lossless,
         "lossless_rule": None if temperature > 0 else ("exact" if fp32 else f"argmax within {margin} logits"),

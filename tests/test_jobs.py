@@ -218,7 +218,7 @@ def test_bench_on_two_prompts_writes_every_field_and_plot(capsys, tmp_path):
     fields = ("num_prompts", "tau", "acceptance_histogram", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
               "exact_match_rate", "lossless", "prompt_lookup_tokens_per_s", "prompt_lookup_speedup",
               "draft_time_per_cycle_ms", "verify_time_per_cycle_ms", "per_prompt", "lookup", "lookup_cycle_fraction",
-              "drafter_only_tau", "drafter_only_speedup")
+              "drafter_only_tau", "drafter_only_speedup", "acceptance_by_position", "cycle_cost_ar_steps")
     for r in runs:
         missing = [f for f in fields if f not in r]
         assert not missing, missing
@@ -228,6 +228,13 @@ def test_bench_on_two_prompts_writes_every_field_and_plot(capsys, tmp_path):
         assert 1.0 <= r["drafter_only_tau"] <= 4 and r["drafter_only_speedup"] > 0
         assert r["ar_tokens_per_s"] > 0 and r["dflash_tokens_per_s"] > 0 and r["prompt_lookup_tokens_per_s"] > 0
         assert r["speedup"] == pytest.approx(r["dflash_tokens_per_s"] / r["ar_tokens_per_s"], rel=1e-3)
+        assert r["cycle_cost_ar_steps"] == pytest.approx(r["tau"] / r["speedup"], rel=1e-3)
+        # tau = 1 + p1 + p1 p2 + ...: the rates by position account for every accepted token
+        reach, implied = 1.0, 1.0
+        for p in r["acceptance_by_position"]:
+            reach *= p or 0.0
+            implied += reach
+        assert len(r["acceptance_by_position"]) == 7 and implied == pytest.approx(r["tau"], rel=1e-3)
     greedy, sampled = runs
     assert greedy["lossless"] is True and greedy["exact_match_rate"] == 1.0 and greedy["lossless_rule"] == "exact"
     assert greedy["prompt_lookup_exact_match_rate"] == 1.0  # prompt lookup is lossless too
