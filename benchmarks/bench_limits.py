@@ -11,8 +11,8 @@ the drafter is what is measured), with `dflash.bench.run_bench` (AR beside it in
 run, one prompt at a time, bf16 by default), and prints two tables:
 
   cost        the AR step (AR's time per token), and a cycle's draft, verify and other
-              time, all in ms; the cycle cost in AR steps; so the tau that break-even (1x)
-              and 2x need. Both sides' times include their prefill, as the speed-up does:
+              time, all in ms; the cycle cost in AR steps, which is also the tau that
+              break-even (1x) needs; so the tau that 2x needs. Both sides' times include their prefill, as the speed-up does:
               "other" is a cycle's share of the prefill plus Python and cache bookkeeping
   acceptance  P(draft k accepted | drafts 1..k-1 accepted) for k = 1..B-1 (pooled over
               all cycles of all prompts; `acceptance_by_position` of `dflash bench`), tau, and the acceptance each position would need,
@@ -117,12 +117,12 @@ def main():
     print(f"\n{target.target_id}, drafter {args.drafter} ({Path(path).name}), {args.dtype}, {args.device}, {args.threads} threads, "
           f"block {rows[0]['block_size']}, drafter alone, {args.limit} prompts x {args.max_new_tokens} new tokens\n")
     print("| dataset | T | AR step ms | draft ms | verify ms | other ms | cycle cost (AR steps) | tau | speedup "
-          "| tau for 1x | tau for 2x |")
-    print("|" + "---|" * 11)
+          "| tau for 2x |")
+    print("|" + "---|" * 10)
     for r in rows:
         print(f"| {r['dataset']} | {r['temperature']:g} | {r['ar_step_ms']:.1f} | {r['draft_ms']:.1f} | "
               f"{r['verify_ms']:.1f} | {r['other_ms']:.1f} | {r['cycle_cost_ar_steps']:.2f} | {r['tau']:.2f} | "
-              f"{r['speedup']:.2f}x | {r['cycle_cost_ar_steps']:.2f} | {r['tau_for_2x']:.2f} |")
+              f"{r['speedup']:.2f}x | {r['tau_for_2x']:.2f} |")
     B = rows[0]["block_size"]
     print()
     print("| dataset | T | " + " | ".join(f"P(accept {k})" for k in range(1, B)) +
