@@ -24,7 +24,7 @@ from dflash.bench import run_bench  # noqa: E402
 from dflash.config import DrafterConfig  # noqa: E402
 from dflash.decoding import SamplingParams, SpeculativeDecoder  # noqa: E402
 from dflash.drafter import DFlashDrafter  # noqa: E402
-from dflash.target import choose_mask_token_id, load_target  # noqa: E402
+from dflash.target import load_target  # noqa: E402
 from support import CHAT_PROMPTS, chat_prompt_ids, train_memorising_drafter  # noqa: E402
 
 
@@ -78,8 +78,7 @@ def main():
     bf16 = load_target("default", dtype="bf16")
 
     def random_drafter(B):
-        cfg = DrafterConfig.for_target(bf16.config, choose_mask_token_id(bf16), num_taps=3, block_size=B,
-                                       target_id=bf16.target_id)
+        cfg = DrafterConfig.for_target(bf16, num_taps=3, block_size=B)
         return DFlashDrafter(cfg).to(torch.bfloat16).eval()
 
     print(f"default target, bf16, CPU, {args.threads} threads, 1-layer drafter, ~200-token context")

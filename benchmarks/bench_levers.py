@@ -132,7 +132,6 @@ def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_co
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter, OutputHead
     from dflash.objective import dflash_loss, implied_tau
-    from dflash.target import choose_mask_token_id
     from pipelines.train import init_from_target, warmup_cosine
     from pipelines.train_data import most_frequent_tokens
 
@@ -140,7 +139,7 @@ def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_co
     subset = recipe["taps"]
     if subset is not None:
         layer_ids = [layer_ids[i] for i in subset]
-    cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), recipe["num_draft_layers"],
+    cfg = DrafterConfig.for_target(target, recipe["num_draft_layers"],
                                    recipe["block_size"], list(layer_ids), draft_vocab_size=recipe["draft_vocab_size"])
     drafter = DFlashDrafter(cfg)
     if recipe["init"] == "zero_output":

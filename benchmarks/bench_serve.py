@@ -46,11 +46,11 @@ def random_drafter_dir(target_spec: str, out: str, block_size: int) -> str:
     from dflash.checkpoint import save_drafter
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter
-    from dflash.target import choose_mask_token_id, load_target
+    from dflash.target import load_target
 
     target = load_target(target_spec, dtype="fp32")
-    cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), num_taps=3,
-                                   block_size=block_size, target_id=target.target_id)
+    cfg = DrafterConfig.for_target(target, num_taps=3,
+                                   block_size=block_size)
     return str(save_drafter(DFlashDrafter(cfg), out))
 
 

@@ -53,7 +53,7 @@ def main() -> None:
     from dflash.drafter import DFlashDrafter, OutputHead
     from dflash.masks import sample_anchors
     from dflash.objective import dflash_loss, implied_tau
-    from dflash.target import choose_mask_token_id, load_target
+    from dflash.target import load_target
     from pipelines.train import init_from_target, online_taps, round_to_storage, warmup_cosine
     from pipelines.train_data import DataInfo, _rows, collate, most_frequent_tokens, response_token_counts
 
@@ -97,7 +97,7 @@ def main() -> None:
         return
     counts = response_token_counts(DataInfo(tuple(map(str, files)), len(rows), meta), target.vocab_size)
     torch.manual_seed(args.seed)
-    cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), args.layers, args.block_size,
+    cfg = DrafterConfig.for_target(target, args.layers, args.block_size,
                                    layer_ids, draft_vocab_size=args.vocab)
     drafter = DFlashDrafter(cfg)
     if args.init == "target":

@@ -9,7 +9,9 @@ public DFlash drafter layout (the config.json that vLLM and SGLang load).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
+
+from dflash.target import choose_mask_token_id
 
 # Loss decay constants from the paper: gamma by block size.
 _GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -43,6 +45,38 @@ def default_gamma(block_size: int) -> float:
     return _GAMMA_BY_BLOCK.get(block_size, max(1.0, round(block_size / 2.3, 2)))
 
 
+# config.json fields from_hf_dict reads ...
+_HF_FIELDS = frozenset({
+    "architectures", "model_type", "block_size", "dflash_config", "draft_vocab_size", "dflash_ray",
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+    "num_target_layers", "num_hidden_layers", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+    "max_position_embeddings", "hidden_act", "attention_bias", "use_sliding_window", "sliding_window",
+    "layer_types"})
+# ... and those that do not change what the drafter computes here: bookkeeping of
+# transformers and the hub, token ids of the target, training-only values, code for
+# trust_remote_code (never run), fields that only matter with a sliding window
+_HF_IGNORED = frozenset({
+    "dtype", "torch_dtype", "transformers_version", "_name_or_path", "auto_map", "bos_token_id", "eos_token_id",
+    "pad_token_id", "use_cache", "attention_dropout", "initializer_range", "tie_word_embeddings",
+    "max_window_layers"})
+
+
+def _check_unsupported(d: dict) -> None:
+    """Known fields set to what this drafter does not implement (see from_hf_dict)."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {d['hidden_act']!r}: the drafter here implements silu (SwiGLU) only")
+    if d.get("use_sliding_window"):
+        raise ValueError("use_sliding_window true: the drafter here attends to its whole context")
+    layer_types = set(d.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise ValueError(f"layer_types {sorted(layer_types)}: the drafter here has full attention layers only")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = d.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{key} of type {kind!r}: the drafter here implements plain RoPE only")
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     """Everything needed to build a drafter for one target.
@@ -69,7 +103,8 @@ class DrafterConfig:
     hidden_act: str = "silu"
     attention_bias: bool = False
     # > 0: the drafter scores only this many target tokens (the most frequent in its
-    # training data, ids in the `draft_vocab` buffer); 0: the whole target vocabulary.
+    # training data, ids in the `draft_vocab` buffer; on disk, vLLM's d2t + lm_head.weight,
+    # see dflash.checkpoint); 0: the whole target vocabulary.
     # Lossless either way: the target verifies every drafted token.
     draft_vocab_size: int = 0
     # the block size decoding uses unless told otherwise; 0: block_size. A drafter trained
@@ -114,39 +149,43 @@ class DrafterConfig:
     @classmethod
     def for_target(
         cls,
-        target_config,
-        mask_token_id: int,
+        target,
         num_hidden_layers: int = 1,
         block_size: int = 16,
         target_layer_ids: list[int] | None = None,
         num_taps: int = 5,
-        target_id: str = "",
         draft_vocab_size: int = 0,
         decode_block_size: int = 0,
+        mask_token_id: int | None = None,
     ) -> "DrafterConfig":
-        """Copy the layer shape from a transformers config of the target."""
-        n_layers = target_config.num_hidden_layers
-        heads = target_config.num_attention_heads
-        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
-        rope_theta = getattr(target_config, "rope_theta", None)
+        """A drafter shaped for `target`: a dflash.target.Target or TargetInfo (anything with
+        .config, .tokenizer and .target_id). The layer shape is copied from its config; the
+        mask token is chosen from its tokenizer (choose_mask_token_id) unless given."""
+        tc = target.config
+        if mask_token_id is None:
+            mask_token_id = choose_mask_token_id(target.tokenizer, tc.vocab_size, target.target_id)
+        n_layers = tc.num_hidden_layers
+        heads = tc.num_attention_heads
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+        rope_theta = getattr(tc, "rope_theta", None)
         if rope_theta is None:  # transformers 5 keeps it in rope_parameters
-            rope_theta = (getattr(target_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+            rope_theta = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         return cls(
-            hidden_size=target_config.hidden_size,
-            intermediate_size=target_config.intermediate_size,
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            vocab_size=target_config.vocab_size,
+            vocab_size=tc.vocab_size,
             num_target_layers=n_layers,
             target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(n_layers, num_taps)),
             mask_token_id=mask_token_id,
             num_hidden_layers=num_hidden_layers,
             block_size=block_size,
-            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=getattr(target_config, "max_position_embeddings", 8192),
-            target_id=target_id,
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 8192),
+            target_id=target.target_id,
             draft_vocab_size=draft_vocab_size,
             decode_block_size=decode_block_size,
         )
@@ -155,20 +194,18 @@ class DrafterConfig:
     def to_hf_dict(self) -> dict:
         """config.json in the layout of the public DFlash drafters (Qwen3-style fields).
 
-        A restricted draft vocabulary (draft_vocab_size > 0) is our extension: it adds
-        dflash_config.draft_vocab_size and a `draft_vocab` index tensor to the weights,
-        which loaders of the public layout do not know. decode_block_size lives in our own
-        `dflash_ray` section: other loaders decode at block_size."""
-        dflash_config = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
-        if self.draft_vocab_size:
-            dflash_config["draft_vocab_size"] = self.draft_vocab_size
+        A reduced draft vocabulary is the top-level "draft_vocab_size", as vLLM reads it
+        (its d2t and lm_head.weight tensors are written by dflash.checkpoint).
+        decode_block_size lives in our own `dflash_ray` section, which other loaders
+        ignore: they decode at the block the user passes."""
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "block_size": self.block_size,
-            "dflash_config": dflash_config,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}),
             "head_dim": self.head_dim,
             "hidden_act": self.hidden_act,
             "hidden_size": self.hidden_size,
@@ -192,21 +229,41 @@ class DrafterConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "DrafterConfig":
-        missing = [k for k in ("block_size", "dflash_config", "hidden_size", "num_hidden_layers",
+        """Read a drafter config.json: ours, the public z-lab layout or vLLM's. A field this
+        project does not know, or a known one set to something the drafter here does not
+        implement (sliding window, scaled RoPE, another activation), is an error naming it:
+        silently ignoring it would decode with a different model than the one trained."""
+        unknown = sorted(set(d) - _HF_FIELDS - _HF_IGNORED)
+        if unknown:
+            raise ValueError(f"unknown drafter config field(s) {unknown}: not part of the DFlash/Qwen3 layout "
+                             f"this project reads")
+        missing = [k for k in ("block_size", "dflash_config", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_target_layers", "vocab_size") if k not in d]
         if missing:
             raise ValueError(f"drafter config.json lacks required fields {missing}")
-        dc = d["dflash_config"]
+        dc = dict(d["dflash_config"])
+        if not dc.get("use_aux_hidden_state", True):
+            raise ValueError("dflash_config.use_aux_hidden_state false (no fc over target taps) is not a DFlash drafter "
+                             "this project runs")
+        unknown = sorted(set(dc) - {"mask_token_id", "target_layer_ids", "draft_vocab_size", "use_aux_hidden_state"})
+        if unknown:
+            raise ValueError(f"unknown dflash_config field(s) {unknown}")
+        _check_unsupported(d)
         heads = d.get("num_attention_heads", 1)
         ours = dict(d.get("dflash_ray") or {})
         target_id = ours.pop("target_id", "")
         decode_block_size = ours.pop("decode_block_size", 0)
         rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        # vLLM's top-level field; older checkpoints of ours kept it in dflash_config.
+        # Equal to the vocabulary (or absent): no reduced vocabulary
+        draft_vocab_size = d.get("draft_vocab_size") or dc.get("draft_vocab_size") or 0
+        if draft_vocab_size == d["vocab_size"]:
+            draft_vocab_size = 0
         return cls(
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
             num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads", heads),
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             vocab_size=d["vocab_size"],
             num_target_layers=d["num_target_layers"],
@@ -219,11 +276,8 @@ class DrafterConfig:
             max_position_embeddings=d.get("max_position_embeddings", 8192),
             hidden_act=d.get("hidden_act", "silu"),
             attention_bias=d.get("attention_bias", False),
-            draft_vocab_size=dc.get("draft_vocab_size", 0),
+            draft_vocab_size=draft_vocab_size,
             decode_block_size=decode_block_size,
             target_id=target_id,
             extra=ours,
         )
-
-    def as_dict(self) -> dict:
-        return asdict(self)

@@ -25,9 +25,14 @@ from pathlib import Path
 import torch
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "dflash"
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def default_cache_dir() -> Path:
+    """Where converted targets (and other derived files) are cached: $DFLASH_CACHE, else
+    ~/.cache/dflash. The one place the cache is chosen; every stage passes None to mean it."""
+    return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash").expanduser()
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -101,8 +106,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def resolve_target_dir(spec: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> tuple[Path, str]:
-    """Target spec -> (HF model directory, stable target id)."""
+def resolve_target_dir(spec: str, cache_dir: str | Path | None = None) -> tuple[Path, str]:
+    """Target spec -> (HF model directory, stable target id). cache_dir None: default_cache_dir()."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if spec == "default":
         gguf = default_gguf_path()
         out = Path(cache_dir) / "targets" / f"{DEFAULT_TARGET_NAME}-{file_fingerprint([gguf])}"
@@ -260,34 +266,71 @@ class Target:
         return mask
 
 
+def weights_hash(model_dir: Path) -> str:
+    """The target's weights identity: the source file's fingerprint for a converted GGUF
+    (recorded in dflash_target.json), else the fingerprint of its weight files."""
+    marker = Path(model_dir) / "dflash_target.json"
+    if marker.exists():
+        return json.loads(marker.read_text())["source_fingerprint"]
+    return file_fingerprint(sorted(Path(model_dir).glob("*.safetensors")) or sorted(Path(model_dir).glob("*.bin")))
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """A target without its weights: what a drafter config, a data check or a plan needs."""
+
+    config: object  # the transformers PretrainedConfig
+    tokenizer: object
+    target_id: str
+    weights_hash: str
+    model_dir: Path
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+
+def inspect_target(spec: str = "default", cache_dir: str | Path | None = None) -> TargetInfo:
+    """Config, tokenizer, id and weights hash of a target spec, without loading its weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir, target_id = resolve_target_dir(spec, cache_dir)
+    return TargetInfo(AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir),
+                      target_id, weights_hash(model_dir), model_dir)
+
+
 def load_target(
     spec: str = "default",
     device: str = "cpu",
     dtype: str | torch.dtype = "fp32",
-    cache_dir: str | Path = DEFAULT_CACHE_DIR,
+    cache_dir: str | Path | None = None,
     attn_implementation: str = "sdpa",
 ) -> Target:
     """Load any target spec onto `device` in `dtype` (bf16 is a cast of the exact fp32 copy).
 
     attn_implementation: "sdpa" (default; on CUDA it dispatches to fused kernels) or "eager".
     Our masks are explicit 4D tensors, which flash_attention_2 does not take.
+    cache_dir None: default_cache_dir().
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir, target_id = resolve_target_dir(spec, Path(cache_dir))
-    marker = model_dir / "dflash_target.json"
-    if marker.exists():
-        weights_hash = json.loads(marker.read_text())["source_fingerprint"]
-    else:
-        weights_hash = file_fingerprint(sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin")))
+    model_dir, target_id = resolve_target_dir(spec, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=parse_dtype(dtype), attn_implementation=attn_implementation, use_safetensors=True
     ).to(device)
-    return Target(model, tokenizer, target_id=target_id, weights_hash=weights_hash)
+    return Target(model, tokenizer, target_id=target_id, weights_hash=weights_hash(model_dir))
 
 
-def choose_mask_token_id(target: Target) -> int:
+def choose_mask_token_id(tokenizer, vocab_size: int, target_id: str = "") -> int:
     """An existing row of the target's vocabulary that chat never produces.
 
     Order: the tokenizer's own mask token; the first padded row past the tokenizer (e.g.
@@ -296,13 +339,14 @@ def choose_mask_token_id(target: Target) -> int:
     marker from code pretraining, absent from chat and from every prompt set we ship).
     The target's embeddings are never resized.
     """
-    tok = target.tokenizer
-    if tok.mask_token_id is not None and tok.mask_token_id < target.vocab_size:
+    tok = tokenizer
+    if tok.mask_token_id is not None and tok.mask_token_id < vocab_size:
         return int(tok.mask_token_id)
-    if len(tok) < target.vocab_size:
+    if len(tok) < vocab_size:
         return len(tok)
     for name in ("<empty_output>", "<jupyter_output>", "<|reserved_special_token_0|>", "<|fim_pad|>"):
         tid = tok.convert_tokens_to_ids(name)
-        if isinstance(tid, int) and tid != tok.unk_token_id and 0 <= tid < target.vocab_size:
+        if isinstance(tid, int) and tid != tok.unk_token_id and 0 <= tid < vocab_size:
             return tid
-    raise ValueError(f"no unused vocabulary row found for the mask token of {target.target_id}; pass mask_token_id")
+    raise ValueError(f"no unused vocabulary row found for the mask token of {target_id or 'the target'}; "
+                     "pass mask_token_id")

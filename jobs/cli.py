@@ -55,7 +55,7 @@ def _load_drafter(spec: str | None, target, args, fallback: str | None = None):
     from dflash.checkpoint import CheckpointError, load_drafter, resolve_drafter
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter
-    from dflash.target import choose_mask_token_id, parse_dtype
+    from dflash.target import parse_dtype
 
     if spec == "auto" and resolve_drafter(spec, target.target_id) is None:  # none ships for this target
         print(f"[dflash] no reference drafter ships for {target.target_id}: using "
@@ -63,8 +63,7 @@ def _load_drafter(spec: str | None, target, args, fallback: str | None = None):
         spec = fallback
     if spec == "random":
         torch.manual_seed(args.seed)
-        cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), num_taps=3,
-                                       target_id=target.target_id)
+        cfg = DrafterConfig.for_target(target, num_taps=3)
         return DFlashDrafter(cfg).to(device=target.device, dtype=parse_dtype(args.dtype)).eval(), "random"
     try:
         path = resolve_drafter(spec, target.target_id)
@@ -292,7 +291,7 @@ def cmd_corpus(args) -> int:
     args.device, args.dtype = "cpu", "fp32"
     target = _load_target(args)
     try:
-        meta = check_dataset(args.data, target_id=target.target_id, weights_hash=target.weights_hash)
+        meta = check_dataset(args.data, weights_hash=target.weights_hash)
         index = build_from_distilled(args.data, target.vocab_size, progress=lambda f, n: print(
             f"[corpus] {f.name}: {n} answers so far", file=sys.stderr, flush=True))
     except (FileNotFoundError, DataMismatchError, ValueError) as e:

@@ -128,33 +128,14 @@ class DistillConfig:
 
 # --- start-up checks -------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class TargetInfo:
-    target_id: str
-    weights_hash: str
-    num_layers: int
-    hidden_size: int
-    tokenizer: object
-
-
-def inspect_target(spec: str) -> TargetInfo:
-    """Tokenizer + shape + weights hash of a target, without loading its weights."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from dflash.target import file_fingerprint, resolve_target_dir
+def inspect_target(spec: str):
+    """dflash.target.inspect_target, with a bad spec reported as a config error."""
+    from dflash.target import inspect_target as inspect
 
     try:
-        model_dir, target_id = resolve_target_dir(spec)
+        return inspect(spec)
     except (ValueError, FileNotFoundError) as e:
         raise DistillConfigError(f"target: {e}") from e
-    marker = model_dir / "dflash_target.json"
-    if marker.exists():  # the same rule as dflash.target.load_target
-        weights_hash = json.loads(marker.read_text())["source_fingerprint"]
-    else:
-        weights_hash = file_fingerprint(sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin")))
-    config = AutoConfig.from_pretrained(model_dir)
-    return TargetInfo(target_id, weights_hash, config.num_hidden_layers, config.hidden_size,
-                      AutoTokenizer.from_pretrained(model_dir))
 
 
 def tapped_layers(cfg: DistillConfig, num_layers: int) -> tuple[int, ...]:

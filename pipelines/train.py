@@ -485,13 +485,10 @@ def _jsonable(cfg: TrainConfig) -> dict:
 
 def plan_run(cfg: TrainConfig) -> tuple[TrainPlan, object]:
     """Every check that needs no worker: target shape, data metadata, step counts."""
-    from transformers import AutoConfig
-
-    from dflash.target import choose_mask_token_id, resolve_target_dir
     from pipelines.distill import inspect_target
 
     info = inspect_target(cfg.target)
-    hf_config = AutoConfig.from_pretrained(resolve_target_dir(cfg.target)[0])
+    hf_config = info.config
     offline = cfg.mode == "offline"
     data = inspect_training_data(cfg.data, offline=offline, target_id=info.target_id,
                                  weights_hash=info.weights_hash, num_target_layers=info.num_layers,
@@ -500,10 +497,7 @@ def plan_run(cfg: TrainConfig) -> tuple[TrainPlan, object]:
         layer_ids = data.metadata.target_layer_ids
     else:
         layer_ids = cfg.target_layer_ids or tuple(default_target_layer_ids(info.num_layers, cfg.num_taps))
-    vocab_view = type("VocabView", (), {"tokenizer": info.tokenizer, "vocab_size": hf_config.vocab_size,
-                                        "target_id": info.target_id})
-    dcfg = DrafterConfig.for_target(hf_config, choose_mask_token_id(vocab_view), cfg.num_draft_layers,
-                                    cfg.block_size, list(layer_ids), target_id=info.target_id,
+    dcfg = DrafterConfig.for_target(info, cfg.num_draft_layers, cfg.block_size, list(layer_ids),
                                     draft_vocab_size=cfg.draft_vocab_size,
                                     decode_block_size=cfg.decode_block_size)
     draft_vocab = ()

@@ -9,7 +9,7 @@ from dflash.decoding import SamplingParams, SpeculativeDecoder
 from dflash.drafter import DFlashDrafter
 from dflash.masks import causal_attention_mask
 from dflash.objective import dflash_loss, implied_tau
-from dflash.target import Target, choose_mask_token_id
+from dflash.target import Target
 
 GREEDY_TOKENS = 32  # new tokens of the greedy reference outputs (the `reference` fixture)
 
@@ -63,8 +63,8 @@ def train_memorising_drafter(target: Target, prompts: list[list[int]], max_new_t
     Returns (drafter, history) where history holds per-step loss and per-position accuracy.
     """
     torch.manual_seed(seed)
-    cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), num_taps=3,
-                                   block_size=block_size, target_id=target.target_id)
+    cfg = DrafterConfig.for_target(target, num_taps=3,
+                                   block_size=block_size)
     drafter = DFlashDrafter(cfg)
     outputs = [r.output_ids for r in SpeculativeDecoder(target).generate(prompts, SamplingParams(max_new_tokens))]
     ids, loss_mask, valid = padded_batch(prompts, outputs)

@@ -11,14 +11,13 @@ from dflash.checkpoint import CheckpointError, load_drafter, read_drafter_config
     resolve_drafter, save_drafter
 from dflash.config import DrafterConfig
 from dflash.drafter import DFlashDrafter
-from dflash.target import choose_mask_token_id
 
 
 @pytest.fixture(scope="module")
 def drafter(target_fp32):
     torch.manual_seed(0)
-    cfg = DrafterConfig.for_target(target_fp32.config, choose_mask_token_id(target_fp32), num_hidden_layers=2,
-                                   num_taps=5, target_id=target_fp32.target_id)
+    cfg = DrafterConfig.for_target(target_fp32, num_hidden_layers=2,
+                                   num_taps=5)
     return DFlashDrafter(cfg)
 
 

@@ -15,7 +15,6 @@ from dflash.decoding import SamplingParams, SpeculativeDecoder, compact, merge
 from dflash.drafter import DFlashDrafter
 from dflash.lookup import LookupConfig
 from dflash.masks import causal_attention_mask
-from dflash.target import choose_mask_token_id
 from support import GREEDY_TOKENS as MAX_NEW
 
 BF16_MARGIN = 0.5  # logits; bf16 rounding of a 16-token verify vs 1-token steps stays well inside
@@ -24,8 +23,8 @@ BF16_MARGIN = 0.5  # logits; bf16 rounding of a 16-token verify vs 1-token steps
 @pytest.fixture(scope="module")
 def random_drafter(target_fp32):
     torch.manual_seed(123)
-    cfg = DrafterConfig.for_target(target_fp32.config, choose_mask_token_id(target_fp32), num_taps=3,
-                                   block_size=16, target_id=target_fp32.target_id)
+    cfg = DrafterConfig.for_target(target_fp32, num_taps=3,
+                                   block_size=16)
     return DFlashDrafter(cfg).eval()
 
 

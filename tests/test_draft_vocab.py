@@ -15,15 +15,13 @@ from dflash.config import DrafterConfig
 from dflash.decoding import SamplingParams, SpeculativeDecoder
 from dflash.drafter import DFlashDrafter, OutputHead
 from dflash.objective import dflash_loss
-from dflash.target import choose_mask_token_id
 from pipelines.train_data import DataInfo, most_frequent_tokens, response_token_counts
 from support import CHAT_PROMPTS, chat_prompt_ids, hf_greedy, padded_batch, target_taps
 
 
 def small_vocab_drafter(target, k: int, seed: int = 0, block_size: int = 8) -> DFlashDrafter:
     torch.manual_seed(seed)
-    cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), num_taps=3, block_size=block_size,
-                                   target_id=target.target_id, draft_vocab_size=k)
+    cfg = DrafterConfig.for_target(target, num_taps=3, block_size=block_size, draft_vocab_size=k)
     drafter = DFlashDrafter(cfg).eval()
     drafter.set_draft_vocab(torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(seed))[:k])
     return drafter

@@ -130,7 +130,7 @@ def tiny():
     model.config._attn_implementation = "sdpa"
     model.generation_config.eos_token_id = None
     target = Target(model, None, "tiny", "tiny")
-    dcfg = DrafterConfig.for_target(cfg, mask_token_id=V - 1, num_taps=2, block_size=4)
+    dcfg = DrafterConfig.for_target(target, mask_token_id=V - 1, num_taps=2, block_size=4)
     drafter = DFlashDrafter(dcfg)
     drafter.reset_parameters(std=0.5)
     return target, drafter

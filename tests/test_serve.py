@@ -25,7 +25,6 @@ from support import CHAT_PROMPTS, hf_greedy
 from dflash.checkpoint import CheckpointError, save_drafter
 from dflash.config import DrafterConfig
 from dflash.drafter import DFlashDrafter
-from dflash.target import choose_mask_token_id
 from jobs.config import ConfigError
 from serve.app import IncrementalText, app_builder, build_app
 from serve.config import ServeConfig, load_serve_config
@@ -42,8 +41,7 @@ def free_port() -> int:
 
 
 def make_drafter_dir(target, path: Path, **changes) -> Path:
-    cfg = DrafterConfig.for_target(target.config, choose_mask_token_id(target), num_taps=3, block_size=4,
-                                   target_id=target.target_id)
+    cfg = DrafterConfig.for_target(target, num_taps=3, block_size=4)
     if changes:
         from dataclasses import replace
 

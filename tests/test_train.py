@@ -114,7 +114,6 @@ def test_tap_scaling_trains_on_standardised_taps_and_folds_into_fc(target_fp32, 
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter
     from dflash.objective import dflash_loss
-    from dflash.target import choose_mask_token_id
     from pipelines.train import DrafterObjective, fold_tap_scale, tap_rms_scale
     from pipelines.train_data import inspect_training_data
     from support import padded_batch
@@ -131,7 +130,7 @@ def test_tap_scaling_trains_on_standardised_taps_and_folds_into_fc(target_fp32, 
     assert rms.min() > 0.99 and rms.max() < 1.01  # unit RMS per feature (the data's fp16 taps)
     assert scale.max() / scale.min() > 100  # massive activations: some features are 100x the others
 
-    cfg = DrafterConfig.for_target(target_fp32.config, choose_mask_token_id(target_fp32), target_layer_ids=LAYERS,
+    cfg = DrafterConfig.for_target(target_fp32, target_layer_ids=LAYERS,
                                    block_size=8)
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg)
