@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import requests  # noqa: E402
+from jobs.demo import free_port
 
 PROMPTS = [
     "What is 2+2?", "Write a haiku about the sea.", "Name three primary colors.",
@@ -36,10 +36,6 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def random_drafter_dir(target_spec: str, out: str, block_size: int) -> str:

@@ -20,12 +20,10 @@ from dataclasses import asdict
 
 import torch
 
-from dflash.corpus import CorpusIndex
-from dflash.decoding import SamplingParams, SpeculativeDecoder
-from dflash.lookup import LookupConfig
+from dflash.decoding import SpeculativeDecoder
 from dflash.masks import causal_attention_mask
+from dflash.sampling import SamplingParams
 from dflash.target import Target
-from dflash.tree import TreeConfig
 
 BF16_MARGIN = 0.5
 
@@ -70,20 +68,19 @@ def _prompt_lookup(target: Target, prompt: list[int], max_new_tokens: int, tempe
     return out[0, len(prompt):].tolist(), time.perf_counter() - t0
 
 
-def fp32_exact_check(target: Target, drafter, prompts: list[list[int]], max_new_tokens: int,
-                     lookup: LookupConfig | None = None, corpus: CorpusIndex | None = None) -> bool:
-    """Greedy DFlash output == greedy AR output, token for token (meaningful in fp32 only)."""
+def fp32_exact_check(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int) -> bool:
+    """Greedy output of `decoder` == greedy AR output, token for token (meaningful in fp32 only)."""
+    target = decoder.target
     if target.dtype != torch.float32:
         raise ValueError("the token-for-token check needs an fp32 target (bf16 verify rounds differently)")
     params = SamplingParams(max_new_tokens)
     ar = SpeculativeDecoder(target).generate(prompts, params, batch_size=1)
-    spec = SpeculativeDecoder(target, drafter, lookup=lookup, corpus=corpus).generate(prompts, params, batch_size=1)
+    spec = decoder.generate(prompts, params, batch_size=1)
     return all(a.output_ids == d.output_ids for a, d in zip(ar, spec))
 
 
 def run_bench(
-    target: Target,
-    drafter,
+    decoder: SpeculativeDecoder,
     prompts: list[list[int]],
     max_new_tokens: int = 128,
     temperature: float = 0.0,
@@ -92,22 +89,17 @@ def run_bench(
     prompt_lookup: bool = False,
     margin: float = BF16_MARGIN,
     progress=None,
-    block_size: int | None = None,
-    lookup: LookupConfig | None = None,
-    corpus: CorpusIndex | None = None,
     drafter_only: bool = False,
-    tree: TreeConfig | None = None,
 ) -> dict:
-    """AR vs DFlash on `prompts` (token ids). Returns a JSON-ready summary dict.
-    block_size overrides the drafter's (drafting fewer tokens than it was trained for).
-    lookup: DFlash cycles copy from the context when they can (dflash.lookup); corpus: else
-    draft from the corpus when it knows the last tokens (dflash.corpus); drafter_only also
-    times the drafter without either (the ablation, `drafter_only_*` fields); tree: DFlash
-    verifies a draft tree each cycle (dflash.tree)."""
+    """AR vs `decoder` (a DFlash decoder, e.g. dflash.pair.load_pair's) on `prompts` (token
+    ids). Returns a JSON-ready summary dict. AR is the same target through the same loop
+    with no drafter; drafter_only also times the drafter without context or corpus lookup
+    (the ablation, `drafter_only_*` fields)."""
+    target, drafter, spec = decoder.target, decoder.drafter, decoder
     ar = SpeculativeDecoder(target)
-    spec = SpeculativeDecoder(target, drafter, block_size=block_size, lookup=lookup, corpus=corpus, tree=tree)
-    alone = (SpeculativeDecoder(target, drafter, block_size=block_size)
-             if drafter_only and (lookup or corpus) else None)
+    alone = (SpeculativeDecoder(target, drafter, verify=spec.verify, block_size=spec.block_size)
+             if drafter_only and (spec.lookup or spec.corpus) else None)
+    lookup, corpus, tree = spec.lookup, spec.corpus, spec.tree
     B = spec.block_size
     params = [SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i) for i in range(len(prompts))]
     # warm-up (allocator, kernels): not timed

@@ -1,4 +1,4 @@
-"""Evaluation prompt sets, installed offline from wheels (DESIGN.md section 4).
+"""Evaluation prompt sets, installed offline from wheels (the README lists them).
 
 Each loader returns a list of conversations ([{"role": "user", "content": ...}]); the
 first user turn is what benchmarks decode. Wheels are located with importlib and read as

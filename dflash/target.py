@@ -213,7 +213,7 @@ class Target:
         logits_slice: slice | None = None,
     ) -> TargetOutput:
         """input_ids, position_ids (b, t); attention_mask (b, 1, t, cache_len + t) bool,
-        True = may attend (see dflash.decoding.attention_mask). Appends to `cache`.
+        True = may attend (see dflash.masks.causal_attention_mask). Appends to `cache`.
 
         Feature of decoder layer l = hidden_states[l + 1] (index 0 is the embedding output).
         """

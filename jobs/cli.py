@@ -31,52 +31,43 @@ class UserError(Exception):
     """A mistake in the command line or its inputs: reported in one line, exit status 2."""
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash"))
-
-
 def _load_target(args):
     from dflash.target import load_target
 
     try:
-        return load_target(args.target, device=args.device, dtype=args.dtype, cache_dir=_cache_dir())
+        return load_target(args.target, device=args.device, dtype=args.dtype)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from e
 
 
-def _load_drafter(spec: str | None, target, args, fallback: str | None = None):
-    """-> (drafter or None, what it is: a directory, 'random' or None).
+def _decode_config(args):
+    """The decoding flags (see _decode_flags) -> a validated dflash.pair.DecodeConfig."""
+    from dflash.pair import DecodeConfig
 
-    None/'none' -> no drafter (plain AR); 'default' -> the reference drafter shipped for
-    this target; 'auto' -> that one when it ships, else `fallback`; 'random' -> a fresh
-    drafter for this target; else a directory."""
-    import torch
-
-    from dflash.checkpoint import CheckpointError, load_drafter, resolve_drafter
-    from dflash.config import DrafterConfig
-    from dflash.drafter import DFlashDrafter
-    from dflash.target import parse_dtype
-
-    if spec == "auto" and resolve_drafter(spec, target.target_id) is None:  # none ships for this target
-        print(f"[dflash] no reference drafter ships for {target.target_id}: using "
-              f"{fallback or 'no drafter (autoregressive)'}", file=sys.stderr)
-        spec = fallback
-    if spec == "random":
-        torch.manual_seed(args.seed)
-        cfg = DrafterConfig.for_target(target, num_taps=3)
-        return DFlashDrafter(cfg).to(device=target.device, dtype=parse_dtype(args.dtype)).eval(), "random"
     try:
-        path = resolve_drafter(spec, target.target_id)
-    except CheckpointError as e:
-        raise UserError(f"{e} or 'random'") from e
-    if path is None:
-        return None, None
-    if not path.exists():
-        raise UserError(f"drafter directory not found: {spec}")
-    try:
-        return load_drafter(path, target=target, device=target.device, dtype=args.dtype), str(path)
-    except CheckpointError as e:
+        return DecodeConfig(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
+                            verify=args.verify, block_size=args.block_size, lookup=args.lookup,
+                            lookup_tokens=args.lookup_tokens, corpus=args.corpus, tree_nodes=args.tree_nodes,
+                            seed=args.seed)
+    except ValueError as e:
         raise UserError(str(e)) from e
+
+
+def _load_pair(args, fallback: str | None = None):
+    """-> dflash.pair.DecodingPair for the decoding flags; what a user can fix is a UserError."""
+    from safetensors import SafetensorError
+
+    from dflash.pair import load_pair
+
+    cfg = _decode_config(args)
+    try:
+        pair = load_pair(cfg, fallback=fallback)
+    except (FileNotFoundError, ValueError, SafetensorError) as e:
+        raise UserError(str(e)) from e
+    if cfg.drafter == "auto" and pair.drafter_source in (None, "random"):
+        print(f"[dflash] no reference drafter ships for {pair.target.target_id}: using "
+              f"{pair.drafter_source or 'no drafter (autoregressive)'}", file=sys.stderr)
+    return pair
 
 
 def _prompt_ids(target, text: str, chat: bool) -> list[int]:
@@ -92,68 +83,26 @@ def _set_threads(n: int | None):
         torch.set_num_threads(n)
 
 
-def _lookup(args, drafter):
-    """Context lookup for DFlash cycles (--lookup, on by default); none without a drafter."""
-    from dflash.lookup import LookupConfig
-
-    if not args.lookup or drafter is None:
-        return None
-    try:
-        return LookupConfig(num_tokens=args.lookup_tokens)
-    except ValueError as e:
-        raise UserError(str(e)) from e
-
-
-def _corpus(args, target, drafter_name):
-    """Corpus lookup (dflash.corpus): --corpus auto (default) loads the drafter directory's
-    corpus/corpus.safetensors when it has one; 'none' turns it off; else a file."""
-    from safetensors import SafetensorError
-
-    from dflash.corpus import CorpusIndex, resolve_corpus
-
-    try:
-        path = resolve_corpus(args.corpus, drafter_name if drafter_name != "random" else None)
-        return CorpusIndex.load(path, target.vocab_size, num_tokens=args.lookup_tokens) if path else None
-    except (FileNotFoundError, ValueError, SafetensorError) as e:
-        raise UserError(str(e)) from e
-
-
-def _tree(args):
-    """--tree-nodes N > 0: verify a draft tree of up to N tokens a cycle (dflash.tree)."""
-    from dflash.tree import TreeConfig
-
-    if not args.tree_nodes:
-        return None
-    try:
-        return TreeConfig(max_nodes=args.tree_nodes)
-    except ValueError as e:
-        raise UserError(str(e)) from e
-
-
 # --- generate ---------------------------------------------------------------------------
 
 def cmd_generate(args) -> int:
-    from dflash.decoding import SamplingParams, SpeculativeDecoder
+    from dflash.decoding import SamplingParams
 
     _set_threads(args.threads)
-    target = _load_target(args)
-    drafter, drafter_name = _load_drafter(args.drafter, target, args)
+    pair = _load_pair(args)
+    target = pair.target
     ids = _prompt_ids(target, args.prompt, args.chat)
     if not ids:
         raise UserError("the prompt is empty after tokenization")
-    lookup = _lookup(args, drafter)
-    corpus = _corpus(args, target, drafter_name)
     try:
         params = SamplingParams(args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        dec = SpeculativeDecoder(target, drafter, verify=args.verify, block_size=args.block_size, lookup=lookup,
-                                 corpus=corpus, tree=_tree(args))
-        req = dec.generate([ids], [params])[0]
+        req = pair.decoder.generate([ids], [params])[0]
     except ValueError as e:
         raise UserError(str(e)) from e
     text = target.tokenizer.decode(req.output_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"prompt_token_ids": ids, "token_ids": req.output_ids, "text": text,
-                          "finish_reason": req.finish_reason, "drafter": drafter_name,
+                          "finish_reason": req.finish_reason, "drafter": pair.drafter_source,
                           "stats": req.stats.to_dict()}))
     else:
         print(text)
@@ -202,13 +151,10 @@ def cmd_bench(args) -> int:
                 sets.append((name, load_prompt_set(name.strip())))
     except (ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from e
-    target = _load_target(args)
-    drafter, drafter_name = _load_drafter(args.drafter, target, args, fallback="random")
-    if drafter is None:
+    pair = _load_pair(args, fallback="random")
+    target = pair.target
+    if pair.drafter is None:
         raise UserError("bench compares DFlash with AR: it needs a drafter (a directory, 'default' or 'random')")
-    lookup = _lookup(args, drafter)
-    corpus = _corpus(args, target, drafter_name)
-    tree = _tree(args)
     results = []
     for name, convs in sets:
         convs = convs[: args.limit] if args.limit else convs
@@ -221,13 +167,12 @@ def cmd_bench(args) -> int:
                       file=sys.stderr, flush=True)
 
             try:
-                r = run_bench(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=temp,
+                r = run_bench(pair.decoder, prompts, max_new_tokens=args.max_new_tokens, temperature=temp,
                               top_p=args.top_p, seed=args.seed, prompt_lookup=args.prompt_lookup, progress=progress,
-                              block_size=args.block_size, lookup=lookup, corpus=corpus,
-                              drafter_only=args.drafter_only, tree=tree)
+                              drafter_only=args.drafter_only)
             except ValueError as e:  # e.g. a prompt longer than the target's context
                 raise UserError(f"{name}: {e}") from e
-            results.append({"dataset": name, "target": target.target_id, "drafter": drafter_name, **r})
+            results.append({"dataset": name, "target": target.target_id, "drafter": pair.drafter_source, **r})
     table = markdown_table(results)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -246,38 +191,56 @@ def cmd_bench(args) -> int:
 
 # --- config-driven stages ---------------------------------------------------------------
 
-def _staged(module: str, config_cls: str, run_fn: str, loader: str | None = None):
-    """A subcommand that loads `--config` + key=value overrides into the stage's dataclass
-    (through the stage's own `loader` where its YAML has another shape, e.g. Serve's)."""
+def _run_stage(args, load, run) -> int:
+    """A config-driven stage: `load(path, overrides)` validates --config + key=value overrides
+    into the stage's dataclass; --print-config shows it; else `run(cfg)` and print its summary."""
+    from dflash.config_file import ConfigError, config_to_dict
 
-    def run(args) -> int:
-        import importlib
-
-        from jobs.config import ConfigError, config_to_dict, load_config
-
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as e:
-            raise UserError(f"stage {module} is not available: {e}") from e
-        try:
-            if loader:
-                cfg = getattr(mod, loader)(args.config, args.overrides)
-            else:
-                cfg = load_config(getattr(mod, config_cls), args.config, args.overrides)
-        except ConfigError as e:
-            raise UserError(str(e)) from e
-        if args.print_config:
-            print(json.dumps(config_to_dict(cfg), indent=2))
-            return 0
-        try:
-            summary = getattr(mod, run_fn)(cfg)
-        except (FileNotFoundError, FileExistsError, ValueError) as e:
-            raise UserError(str(e)) from e
-        if summary is not None:
-            print(json.dumps(summary, default=str))
+    try:
+        cfg = load(args.config, args.overrides)
+    except ConfigError as e:
+        raise UserError(str(e)) from e
+    if args.print_config:
+        print(json.dumps(config_to_dict(cfg), indent=2))
         return 0
+    try:
+        summary = run(cfg)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        raise UserError(str(e)) from e
+    if summary is not None:
+        print(json.dumps(summary, default=str))
+    return 0
 
-    return run
+
+def _loader(cls):
+    from dflash.config_file import load_config
+
+    return lambda path, overrides: load_config(cls, path, overrides)
+
+
+def cmd_distill(args) -> int:
+    from pipelines.distill import DistillConfig, run_distill
+
+    return _run_stage(args, _loader(DistillConfig), run_distill)
+
+
+def cmd_train(args) -> int:
+    from pipelines.train import TrainConfig, run_train
+
+    return _run_stage(args, _loader(TrainConfig), run_train)
+
+
+def cmd_serve(args) -> int:
+    from jobs.serve_run import run_serve
+    from serve.config import load_serve_config
+
+    return _run_stage(args, load_serve_config, run_serve)
+
+
+def cmd_demo(args) -> int:
+    from jobs.demo import DemoConfig, run_demo
+
+    return _run_stage(args, _loader(DemoConfig), run_demo)
 
 
 def cmd_corpus(args) -> int:
@@ -319,7 +282,8 @@ def cmd_export(args) -> int:
 
 # --- parser -----------------------------------------------------------------------------
 
-def _target_flags(p):
+def _decode_flags(p):
+    """The flags of dflash.pair.DecodeConfig (one per field) plus sampling and threads."""
     p.add_argument("--target", default="default", help="'default', a Hugging Face model dir or a .gguf file")
     p.add_argument("--drafter", default="auto",
                    help="a drafter directory; 'default': the reference drafter shipped for the target; "
@@ -333,7 +297,9 @@ def _target_flags(p):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verify", default="rejection", choices=["rejection", "match"],
                    help="lossless rule at temperature > 0")
-    p.add_argument("--block-size", type=int, default=None, help="override the drafter's decode block size")
+    p.add_argument("--block-size", type=int, default=0,
+                   help="tokens a drafter cycle verifies, 2..the block the drafter was trained on "
+                        "(default 0: the drafter's decode block)")
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                    help="context lookup (with a drafter; default on): a sequence whose last 2-3 tokens occurred "
                         "earlier drafts the tokens that followed them instead of the drafter's (lossless)")
@@ -354,14 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="decode one prompt (with the target's reference drafter when one ships)")
-    _target_flags(p)
+    _decode_flags(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="apply the target's chat template to one user message")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("bench", help="AR vs DFlash side by side")
-    _target_flags(p)
+    _decode_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", help='JSONL of {"prompt": str} or {"messages": [...]}')
     src.add_argument("--dataset", help="mt-bench, humaneval, aime24, math500, sharegpt-heldout; "
@@ -379,18 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=cmd_bench)
 
-    for name, module, cls, fn, loader in [
-        ("distill", "pipelines.distill", "DistillConfig", "run_distill", None),
-        ("train", "pipelines.train", "TrainConfig", "run_train", None),
-        ("serve", "serve.config", "ServeConfig", "run_serve", "load_serve_config"),
-        ("demo", "jobs.demo", "DemoConfig", "run_demo", None),
-    ]:
+    for name, fn in [("distill", cmd_distill), ("train", cmd_train), ("serve", cmd_serve), ("demo", cmd_demo)]:
         p = sub.add_parser(name, help="the end-to-end demo: distill, train, bench, serve" if name == "demo"
                            else f"run the {name} stage from a YAML config")
         p.add_argument("--config", default=None, help="YAML config (see jobs/configs/)")
         p.add_argument("--print-config", action="store_true", help="validate and print the config, run nothing")
         p.add_argument("overrides", nargs="*", help="key=value overrides")
-        p.set_defaults(fn=_staged(module, cls, fn, loader))
+        p.set_defaults(fn=fn)
 
     p = sub.add_parser("corpus", help="build a corpus lookup file from distilled data (tokens-only is enough)")
     p.add_argument("--data", required=True, help="a `dflash distill` output directory")

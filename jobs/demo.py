@@ -27,22 +27,28 @@ import json
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from jobs.config import config_to_dict
+from dflash.config_file import config_to_dict
+from dflash.pair import DecodeConfig
 
 DEMO_RECORD = "demo.json"
 
 
 @dataclass(frozen=True)
-class DemoConfig:
-    """Sizes that finish in ~10 minutes on 2 CPU cores (jobs/configs/demo.yaml)."""
+class DemoConfig(DecodeConfig):
+    """Sizes that finish in ~10 minutes on 2 CPU cores (jobs/configs/demo.yaml).
+
+    The decoding fields that stages 3 and 4 use (target, drafter, dtype, device, verify,
+    block_size, lookup, lookup_tokens, corpus, tree_nodes) are dflash.pair.DecodeConfig's,
+    so bench and the served replica decode with exactly the same settings."""
 
     STAGE: ClassVar[str] = "demo"
 
-    target: str = "default"
+    # 3. bench and 4. serve: "default" (the shipped reference drafter) or "trained" (stage 2's)
+    drafter: str = "default"
     output_dir: str = "demo_out"
     # 1. distill (fp32 on CPU: exact features, batching-invariant greedy tokens)
     samples: int = 48
@@ -52,21 +58,16 @@ class DemoConfig:
     distill_actors: int = 2  # one target per CPU core
     # 2. train
     train_steps: int = 300
-    block_size: int = 8
+    train_block_size: int = 8
     num_anchors: int = 32
     lr: float = 1e-3
     init: Literal["random", "target"] = "random"
-    # 3. bench and 4. serve: "default" (the shipped reference drafter) or "trained" (stage 2's)
-    drafter: Literal["default", "trained"] = "default"
-    # 3. bench (bf16 is the fast path on AVX512-BF16 CPUs)
-    dtype: Literal["bf16", "fp32"] = "bf16"
+    # 3. bench
     bench_dataset: str = "mt-bench"
     bench_prompts: int = 4
     bench_max_new_tokens: int = 64
     temperatures: tuple[float, ...] = (0.0, 1.0)
     prompt_lookup: bool = True
-    lookup: bool = True  # DFlash cycles copy from the context when it repeats (dflash.lookup)
-    corpus: bool = True  # else draft from the drafter directory's corpus, if it has one (dflash.corpus)
     fp32_check_prompts: int = 2  # greedy prompts also decoded in fp32 and compared token for token
     # 4. serve
     port: int = 0  # 0: any free port on 127.0.0.1
@@ -74,6 +75,10 @@ class DemoConfig:
     serve_max_tokens: int = 48
 
     def __post_init__(self):
+        super().__post_init__()
+        if self.drafter not in ("default", "trained"):
+            raise ValueError(f"drafter must be 'default' (the shipped one) or 'trained' (stage 2's), "
+                             f"got {self.drafter!r}")
         if self.max_seq_len <= self.max_new_tokens:
             raise ValueError(f"max_seq_len {self.max_seq_len} leaves no room for a prompt before "
                              f"max_new_tokens {self.max_new_tokens}")
@@ -126,7 +131,7 @@ def train(cfg: DemoConfig, out: Path) -> dict:
     from pipelines.train import METRICS_NAME, TrainConfig, run_train
 
     summary = run_train(TrainConfig(target=cfg.target, data=str(out / "distill"), output_dir=str(out / "train"),
-                                    run_name="run", max_steps=cfg.train_steps, block_size=cfg.block_size,
+                                    run_name="run", max_steps=cfg.train_steps, block_size=cfg.train_block_size,
                                     num_anchors=cfg.num_anchors, lr=cfg.lr, init=cfg.init,
                                     checkpoint_every=max(10, cfg.train_steps // 4)))
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / METRICS_NAME).read_text().splitlines() if line]
@@ -137,35 +142,27 @@ def train(cfg: DemoConfig, out: Path) -> dict:
 def bench(cfg: DemoConfig, out: Path, drafter_dir: str) -> dict:
     """The bench table at each temperature, plus an fp32 token-for-token greedy check."""
     from dflash.bench import fp32_exact_check, run_bench
-    from dflash.checkpoint import load_drafter
-    from dflash.corpus import CorpusIndex, resolve_corpus
-    from dflash.lookup import LookupConfig
+    from dflash.pair import load_pair
     from dflash.prompts import load_prompt_set
-    from dflash.target import load_target
     from jobs.report import write_bench_report
 
-    target = load_target(cfg.target, dtype=cfg.dtype)
-    drafter = load_drafter(drafter_dir, target=target, dtype=cfg.dtype)
+    pair = load_pair(DecodeConfig.of(cfg, drafter=drafter_dir))
+    target = pair.target
     prompts = [target.chat_ids(c) for c in load_prompt_set(cfg.bench_dataset)[: cfg.bench_prompts]]
-    lookup = LookupConfig() if cfg.lookup else None
-    corpus_path = resolve_corpus("auto" if cfg.corpus else None, drafter_dir)
-    corpus = CorpusIndex.load(corpus_path, target.vocab_size) if corpus_path else None
     runs = []
     for temp in cfg.temperatures:
         _say(f"bench {cfg.bench_dataset} T={temp:g}: {len(prompts)} prompts, AR vs DFlash"
              + (" vs prompt lookup" if cfg.prompt_lookup else ""))
-        r = run_bench(target, drafter, prompts, max_new_tokens=cfg.bench_max_new_tokens, temperature=temp,
-                      prompt_lookup=cfg.prompt_lookup, lookup=lookup, corpus=corpus,
+        r = run_bench(pair.decoder, prompts, max_new_tokens=cfg.bench_max_new_tokens, temperature=temp,
+                      prompt_lookup=cfg.prompt_lookup,
                       progress=lambda i, n, row: _say(f"  prompt {i}/{n}: tau {row['tau']:.2f}"))
         runs.append({"dataset": cfg.bench_dataset, "target": target.target_id, "drafter": drafter_dir, **r})
     files = write_bench_report(runs, out / "bench")
     exact = None
     if cfg.fp32_check_prompts:
         _say(f"fp32 check: {cfg.fp32_check_prompts} greedy prompts, DFlash vs AR token for token")
-        t32 = load_target(cfg.target, dtype="fp32")
-        exact = fp32_exact_check(t32, load_drafter(drafter_dir, target=t32, dtype="fp32"),
-                                 prompts[: cfg.fp32_check_prompts], cfg.bench_max_new_tokens, lookup=lookup,
-                                 corpus=corpus)
+        fp32 = load_pair(DecodeConfig.of(cfg, drafter=drafter_dir, dtype="fp32"))
+        exact = fp32_exact_check(fp32.decoder, prompts[: cfg.fp32_check_prompts], cfg.bench_max_new_tokens)
     return {"runs": runs, "files": files, "fp32_exact": exact}
 
 
@@ -176,9 +173,8 @@ def serve_one_request(cfg: DemoConfig, drafter_dir: str) -> dict:
     from serve.app import build_app
     from serve.config import ServeConfig
 
-    port = cfg.port or _free_port()
-    scfg = ServeConfig(target=cfg.target, drafter=drafter_dir, dtype=cfg.dtype, lookup=cfg.lookup,
-                       corpus="auto" if cfg.corpus else None, port=port,
+    port = cfg.port or free_port()
+    scfg = ServeConfig(**asdict(DecodeConfig.of(cfg, drafter=drafter_dir)), port=port,
                        app_name="dflash-demo", min_replicas=1, max_replicas=1, num_cpus_per_replica=0.5)
     serve.start(http_options={"host": scfg.host, "port": port})
     try:
@@ -197,7 +193,7 @@ def serve_one_request(cfg: DemoConfig, drafter_dir: str) -> dict:
         serve.shutdown()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -211,6 +207,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     """All four stages; returns (and writes to OUT/summary.json) the summary."""
     import ray
 
+    from pipelines.ray_session import init_ray
+
     drafter_dir = None
     if cfg.drafter == "default":  # before any work: a target without a shipped drafter is refused
         from dflash.checkpoint import resolve_drafter
@@ -220,8 +218,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     out = claim_output_dir(cfg)
     started_ray = not ray.is_initialized()
     if started_ray:  # one local Ray for every stage; actors and workers keep to one thread each
-        ray.init(address="local", include_dashboard=False, runtime_env={"env_vars": {
-            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}})
+        init_ray(None)
     times, t0 = {}, time.perf_counter()
     try:
         _say(f"1/4 distill: {cfg.samples} ShareGPT conversations regenerated by {cfg.target} -> {out / 'distill'}")

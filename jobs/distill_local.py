@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     if args.verb == "plan":
-        from jobs.config import load_config
+        from dflash.config_file import load_config
         from pipelines.distill import DistillConfig
 
         result = write_plan(load_config(DistillConfig, args.config, args.overrides), args.plan_file)

@@ -278,16 +278,9 @@ def _actor_pool(cfg: DistillConfig):
 
 
 def _init_ray(cfg: DistillConfig):
-    import ray
+    from pipelines.ray_session import init_ray
 
-    if not ray.is_initialized():
-        address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or "local"
-        kwargs = {}
-        if address == "local":
-            kwargs = {"include_dashboard": False, "runtime_env": {"env_vars": {
-                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}}}
-        ray.init(address=address, log_to_driver=False, **kwargs)
-    return ray
+    return init_ray(cfg.ray_address, log_to_driver=False)
 
 
 def distill_shards(cfg: DistillConfig, spec, todo: list[tuple[int, list[dict]]]) -> list[dict]:

@@ -18,7 +18,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -109,7 +108,11 @@ def load_api_keys(cfg: ServeConfig) -> set[str]:
         if not keys:
             raise ValueError(f"api_keys_file {path} holds no keys")
     if cfg.api_keys_env:
-        keys |= {k.strip() for k in os.environ.get(cfg.api_keys_env, "").split(",") if k.strip()}
+        from_env = {k.strip() for k in os.environ.get(cfg.api_keys_env, "").split(",") if k.strip()}
+        if not from_env and not keys:  # fail closed: a configured key source that yields no key
+            raise ValueError(f"api_keys_env {cfg.api_keys_env} is unset or empty on this node: refusing to serve "
+                             "without auth (set it, or drop api_keys_env to serve without keys)")
+        keys |= from_env
     return keys
 
 
@@ -153,34 +156,20 @@ class DFlashServer:
     def __init__(self, cfg: ServeConfig):
         import torch
 
-        from dflash.checkpoint import load_drafter, resolve_drafter
-        from dflash.corpus import CorpusIndex, resolve_corpus
-        from dflash.decoding import SpeculativeDecoder
-        from dflash.lookup import LookupConfig
-        from dflash.target import load_target
-        from dflash.tree import TreeConfig
+        from dflash.pair import DecodeConfig, load_pair
 
         torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
         self.api_keys = load_api_keys(cfg)
-        self.target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
-        drafter = None
-        path = resolve_drafter(cfg.drafter, self.target.target_id)
-        self.drafter_name = str(path) if path is not None else None
-        if path is not None:  # CheckpointError names the mismatch: the replica refuses to start
-            drafter = load_drafter(path, target=self.target, device=cfg.device, dtype=cfg.dtype)
-        lookup = LookupConfig(num_tokens=cfg.lookup_tokens) if cfg.lookup and drafter is not None else None
-        corpus_path = resolve_corpus(cfg.corpus, path)
-        self.corpus_name = str(corpus_path) if corpus_path is not None else None
-        corpus = CorpusIndex.load(corpus_path, self.target.vocab_size, cfg.lookup_tokens) if corpus_path else None
-        tree = TreeConfig(max_nodes=cfg.tree_nodes) if cfg.tree_nodes else None
-        decoder = SpeculativeDecoder(self.target, drafter, verify=cfg.verify, lookup=lookup, corpus=corpus, tree=tree)
-        self.metrics = ReplicaMetrics(decoder.max_width)
-        self.engine = BatchingEngine(decoder, cfg.max_batch_size, cfg.max_context_tokens, self.metrics.on_step)
+        pair = load_pair(DecodeConfig.of(cfg))  # CheckpointError names a mismatch: the replica refuses to start
+        self.target, self.decoder = pair.target, pair.decoder
+        self.drafter_name, self.corpus_name = pair.drafter_source, pair.corpus_source
+        self.metrics = ReplicaMetrics(pair.decoder.max_width)
+        self.engine = BatchingEngine(pair.decoder, cfg.max_batch_size, cfg.max_context_tokens, self.metrics.on_step)
         self.model_name = cfg.model_name or self.target.target_id
         self.created = int(time.time())
         log.info("replica ready: %s drafter=%s block=%d lookup=%s corpus=%s", self.model_name, self.drafter_name,
-                 decoder.block_size, lookup, corpus_path)
+                 pair.decoder.block_size, pair.decoder.lookup, self.corpus_name)
 
     # --- plumbing -------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -286,7 +275,8 @@ class DFlashServer:
     @api.get("/health")
     async def health(self) -> dict:
         return {"status": "ok", "running": self.engine.num_running, "waiting": self.engine.num_waiting,
-                "steps": self.engine.counters.steps, "max_batch_size_seen": self.engine.counters.max_batch_size_seen}
+                "steps": self.engine.counters.steps, "max_batch_size_seen": self.engine.counters.max_batch_size_seen,
+                "block_size": self.decoder.block_size, "max_width": self.decoder.max_width}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -331,42 +321,14 @@ class DFlashServer:
             raise
 
 
-def check_drafter_fits(cfg: ServeConfig) -> None:
-    """Refuse a drafter made for another target before any replica starts.
-
-    Reads only the two config.json files. Skipped when either is not on this machine (on a
-    cluster they may live only on the workers); each replica checks again when it loads.
-    """
-    from dflash.checkpoint import NO_DRAFTER, CheckpointError, is_drafter_directory_spec, read_drafter_config, \
-        resolve_drafter
-
-    if cfg.drafter in NO_DRAFTER or (is_drafter_directory_spec(cfg.drafter) and not Path(cfg.drafter).expanduser().exists()):
-        return
-    from transformers import AutoConfig
-
-    from dflash.decoding import check_drafter_matches_target
-    from dflash.target import resolve_target_dir
-
-    try:
-        model_dir, target_id = resolve_target_dir(cfg.target)
-    except (FileNotFoundError, ValueError):
-        return
-    drafter_dir = resolve_drafter(cfg.drafter, target_id)  # "default" without a shipped one: refused
-    if drafter_dir is None:  # "auto" on a target with no shipped drafter: autoregressive
-        return
-    drafter_cfg = read_drafter_config(drafter_dir)
-    tc = AutoConfig.from_pretrained(model_dir)
-    shape = SimpleNamespace(hidden_size=tc.hidden_size, num_layers=tc.num_hidden_layers,
-                            vocab_size=tc.vocab_size, target_id=target_id)
-    try:
-        check_drafter_matches_target(drafter_cfg, shape)
-    except ValueError as e:
-        raise CheckpointError(f"{drafter_dir}: {e}") from None
-
-
 def build_app(cfg: ServeConfig) -> Application:
-    """The deployment, sized and autoscaled from the config, bound to its config."""
-    check_drafter_fits(cfg)
+    """The deployment, sized and autoscaled from the config, bound to its config. A drafter
+    that does not fit the target is refused here, before any replica starts."""
+    from dflash.pair import DecodeConfig, check_pair
+
+    if cfg.ray_address is None:  # local: refuse a key source that yields no key before any replica starts
+        load_api_keys(cfg)
+    check_pair(DecodeConfig.of(cfg))
     autoscaling = {"min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas,
                    "target_ongoing_requests": cfg.target_ongoing_requests,
                    "upscale_delay_s": cfg.upscale_delay_s, "downscale_delay_s": cfg.downscale_delay_s}
@@ -381,6 +343,6 @@ def build_app(cfg: ServeConfig) -> Application:
 
 def app_builder(args: dict) -> Application:
     """`serve run serve/config.yaml` entry: the application's `args` are ServeConfig fields."""
-    from jobs.config import build_config
+    from dflash.config_file import build_config
 
     return build_app(build_config(ServeConfig, dict(args or {}), "serve application args"))

@@ -1,4 +1,5 @@
-"""The serving stage's config, and the foreground runner behind `dflash serve`.
+"""The serving stage's config: the decoding pair (dflash.pair.DecodeConfig's fields) plus
+HTTP, batching, autoscaling and Ray placement. `dflash serve` runs it (jobs/serve_run.py).
 
 One YAML file serves both launchers. serve/config.yaml is a Ray Serve config file (what
 `serve run serve/config.yaml` reads: http_options + applications[].import_path/args), and
@@ -13,14 +14,12 @@ A flat YAML of ServeConfig fields (with an optional `stage: serve`) is read as w
 
 from __future__ import annotations
 
-import signal
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
-
-from jobs.config import ConfigError, build_config, load_config, parse_override, read_yaml_mapping
+from dflash.config_file import ConfigError, build_config, load_config, parse_override, read_yaml_mapping
+from dflash.pair import DecodeConfig
 
 # Keys of a Ray Serve config file that are not ServeConfig fields; Ray reads them, we skip them.
 _RAY_ONLY_KEYS = ("proxy_location", "grpc_options", "logging_config", "tracing_config",
@@ -28,26 +27,14 @@ _RAY_ONLY_KEYS = ("proxy_location", "grpc_options", "logging_config", "tracing_c
 
 
 @dataclass(frozen=True)
-class ServeConfig:
-    """Everything a replica and its deployment need. Validated once, passed as an object."""
+class ServeConfig(DecodeConfig):
+    """Everything a replica and its deployment need. Validated once, passed as an object.
+
+    The decoding fields (target, drafter, dtype, device, verify, block_size, lookup,
+    lookup_tokens, corpus, tree_nodes) are DecodeConfig's; the rest are serving's own."""
 
     STAGE: ClassVar[str] = "serve"
 
-    # the model pair
-    target: str = "default"  # "default", a Hugging Face directory or a .gguf file
-    # a directory; "default": the reference drafter shipped for the target; "auto": that one
-    # when the target has one, else none; None/"none": autoregressive
-    drafter: str | None = "auto"
-    dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
-    device: str = "cpu"  # "cpu" or "cuda"
-    verify: Literal["rejection", "match"] = "rejection"
-    lookup: bool = True  # with a drafter: copy drafts from the context when it repeats (dflash.lookup)
-    lookup_tokens: int = 7  # tokens per copied or corpus draft
-    # corpus lookup (dflash.corpus): "auto" = the drafter directory's corpus/corpus.safetensors
-    # when it has one; "none"/None = off; or a file made by `dflash corpus`
-    corpus: str | None = "auto"
-    # > 0: verify a draft tree of up to this many tokens a cycle (dflash.tree); 0: one draft
-    tree_nodes: int = 0
     model_name: str | None = None  # the id /v1/models reports; default: the target id
     # HTTP
     host: str = "127.0.0.1"
@@ -75,12 +62,9 @@ class ServeConfig:
     ray_address: str | None = None  # None: start a local Ray; "auto": join the running cluster
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if self.lookup_tokens < 1:
-            raise ValueError(f"lookup_tokens must be >= 1, got {self.lookup_tokens}")
-        if self.tree_nodes < 0 or self.tree_nodes == 1:
-            raise ValueError(f"tree_nodes must be 0 (off) or >= 2, got {self.tree_nodes}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_ongoing_requests < 1:
@@ -143,48 +127,3 @@ def load_serve_config(path: str | Path | None = None, overrides: list[str] | tup
         key, value = parse_override(item)
         values[key] = value
     return build_config(ServeConfig, values, str(path))
-
-
-def run_serve(cfg: ServeConfig, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
-    """Start Ray (or join `ray_address`) and the app; block until SIGINT/SIGTERM (or `stop`).
-
-    Shuts Serve and Ray down on the way out, whatever ended the wait. `ready` is set once
-    the application is running (for callers that drive it from another thread).
-    """
-    import ray
-    from ray import serve
-
-    from dflash.checkpoint import is_drafter_directory_spec
-    from serve.app import build_app
-
-    if cfg.ray_address is None and is_drafter_directory_spec(cfg.drafter) and not Path(cfg.drafter).expanduser().exists():
-        # a local Ray: the replica would run here and fail to start on a missing drafter
-        raise FileNotFoundError(f"drafter directory not found: {cfg.drafter}")
-    stop = stop or threading.Event()
-    previous = {}
-    started_ray = not ray.is_initialized()
-    try:
-        if started_ray:
-            ray.init(address=cfg.ray_address, runtime_env={"env_vars": {
-                "OMP_NUM_THREADS": str(cfg.torch_threads), "TOKENIZERS_PARALLELISM": "false"}})
-        serve.start(http_options={"host": cfg.host, "port": cfg.port})
-        # after ray.init, which installs its own fatal-signal handler (SIGTERM would abort)
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
-        serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
-        print(f"dflash serve: {cfg.app_name} at http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1 "
-              f"(Ctrl-C to stop)", flush=True)
-        if ready is not None:
-            ready.set()
-        while not stop.wait(0.5):
-            pass
-        print("dflash serve: shutting down", flush=True)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            if started_ray:
-                ray.shutdown()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)

@@ -22,7 +22,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from dflash.decoding import DecodeBatch, Request, SamplingParams, SpeculativeDecoder, merge
+from dflash.batch import DecodeBatch, Request, merge
+from dflash.decoding import SpeculativeDecoder
+from dflash.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +48,8 @@ class StepReport:
 
 @dataclass
 class EngineCounters:
-    requests: int = 0
-    finished: int = 0
-    generated_tokens: int = 0
+    """What /health reports of the engine's life."""
+
     steps: int = 0
     max_batch_size_seen: int = 0
 
@@ -128,7 +129,6 @@ class BatchingEngine:
                 f"budget of {self.context_budget} tokens")
         gen = Generation(list(prompt_ids), params)
         self._waiting.append(gen)
-        self.counters.requests += 1
         self._ensure_loop()
         self._wakeup.set()
         return gen
@@ -156,7 +156,6 @@ class BatchingEngine:
     # --- the loop -------------------------------------------------------------------------
     def _finish(self, gen: Generation, reason: str | None, error: BaseException | None = None) -> None:
         gen.finish_reason = reason or "abort"
-        self.counters.finished += 1
         if error is not None:
             gen.events.put_nowait(error)
         gen.events.put_nowait(None)
@@ -244,7 +243,6 @@ class BatchingEngine:
             self._drop_finished()
 
     def _report(self, rows, admitted, draft_s, verify_s, acceptance, tokens) -> None:
-        self.counters.generated_tokens += tokens
         if self.on_step is not None:
             try:
                 self.on_step(StepReport(rows, len(self._waiting), admitted, draft_s, verify_s, acceptance, tokens))

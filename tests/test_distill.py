@@ -145,7 +145,7 @@ def test_sharegpt_wheel_streams_and_plans_quickly(target_fp32):
 
 
 def test_bad_configuration_fails_at_start(tmp_path, source):
-    from jobs.config import ConfigError, load_config
+    from dflash.config_file import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(DistillConfig, REPO / "jobs/configs/distill.yaml", ["bogus=1"])
@@ -161,7 +161,7 @@ def test_bad_configuration_fails_at_start(tmp_path, source):
 
 
 def test_shipped_configs_load():
-    from jobs.config import load_config
+    from dflash.config_file import load_config
 
     cpu = load_config(DistillConfig, REPO / "jobs/configs/distill.yaml")
     gpu = load_config(DistillConfig, REPO / "jobs/configs/distill_gpu.yaml")

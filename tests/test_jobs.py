@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,9 +15,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from dflash.config_file import ConfigError, build_config, load_config, parse_override
 from jobs.cli import main
-from jobs.config import ConfigError, build_config, load_config, parse_override
-from jobs.demo import DemoConfig, run_demo
+from jobs.demo import DemoConfig, free_port, run_demo
 from pipelines.distill import DistillConfig
 from pipelines.train import TrainConfig
 
@@ -27,10 +26,6 @@ BIN = Path(sys.executable).parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -123,7 +118,9 @@ def test_cli_bad_input_is_one_line_nonzero_and_overwrites_nothing(capsys, tmp_pa
         (["generate", "--prompt", "hi", "--target", other_target, "--drafter", "default"], "generate",
          "no reference drafter ships for target hf:"),
         (["serve", f"drafter={tmp_path / 'nodrafter'}"], "serve", "drafter directory not found"),
-        (["generate", "--prompt", "hi", "--tree-nodes", "1"], "generate", "a draft tree needs max_nodes >= 2"),
+        (["generate", "--prompt", "hi", "--tree-nodes", "1"], "generate", "tree_nodes must be 0 (off) or >= 2"),
+        (["generate", "--prompt", "hi", "--block-size", "9"], "generate", "decode_block_size must be 0"),
+        (["serve", "block_size=9"], "serve", "decode_block_size must be 0"),
         (["serve", "tree_nodes=-3"], "serve", "tree_nodes must be 0 (off) or >= 2"),
         (["export", str(tmp_path / "norun"), str(tmp_path / "x")], "export", "no training checkpoint"),
         (["train", f"data={tmp_path / 'nodata'}", f"output_dir={tmp_path / 'o'}"], "train", "data directory not found"),
@@ -302,7 +299,7 @@ def test_ray_job_submit_distill_against_a_local_head(tmp_path):
 def test_demo_pipeline_at_reduced_size(ray_session, tmp_path, capsys):
     cfg = DemoConfig(output_dir=str(tmp_path / "demo"), samples=4, max_new_tokens=16, num_taps=2, distill_actors=1,
                      train_steps=3,
-                     block_size=4, num_anchors=4, bench_prompts=2, bench_max_new_tokens=8, fp32_check_prompts=1,
+                     train_block_size=4, num_anchors=4, bench_prompts=2, bench_max_new_tokens=8, fp32_check_prompts=1,
                      serve_max_tokens=6)
     summary = run_demo(cfg)
     out = Path(cfg.output_dir)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,9 +23,10 @@ from support import CHAT_PROMPTS, hf_greedy
 
 from dflash.checkpoint import CheckpointError, save_drafter
 from dflash.config import DrafterConfig
+from dflash.config_file import ConfigError
 from dflash.drafter import DFlashDrafter
-from jobs.config import ConfigError
 from serve.app import IncrementalText, app_builder, build_app
+from jobs.demo import free_port
 from serve.config import ServeConfig, load_serve_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,10 +34,6 @@ KEY = "sk-test-key-1"
 MAX_TOKENS = 12
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_drafter_dir(target, path: Path, **changes) -> Path:
@@ -68,15 +64,16 @@ def serve_port():
 
 @pytest.fixture(scope="module")
 def app_url(serve_port, target_fp32, tmp_path_factory):
-    """The main app: default target fp32, random block-4 drafter, auth on, batches up to 8."""
+    """The main app: default target fp32, random block-4 drafter decoding at block 3 (the
+    config's block_size reaches the replica), auth on, batches up to 8."""
     from ray import serve
 
     tmp = tmp_path_factory.mktemp("serve")
     keys = tmp / "keys.txt"
     keys.write_text(f"# test keys\n{KEY}\nsk-second\n")
     cfg = ServeConfig(target="default", drafter=str(make_drafter_dir(target_fp32, tmp / "drafter")), dtype="fp32",
-                      api_keys_file=str(keys), max_batch_size=8, max_ongoing_requests=16, default_max_tokens=16,
-                      num_cpus_per_replica=0.5, app_name="main")
+                      block_size=3, api_keys_file=str(keys), max_batch_size=8, max_ongoing_requests=16,
+                      default_max_tokens=16, num_cpus_per_replica=0.5, app_name="main")
     serve.run(build_app(cfg), name="main", route_prefix="/")
     yield f"http://127.0.0.1:{serve_port}"
     serve.delete("main")
@@ -146,6 +143,23 @@ def test_api_keys_from_file_and_environment(tmp_path, monkeypatch):
         load_api_keys(ServeConfig(api_keys_file=str(tmp_path / "missing")))
 
 
+@pytest.mark.parametrize("value", [None, "", " , "])
+def test_auth_fails_closed_when_the_key_variable_yields_no_key(monkeypatch, value):
+    """api_keys_env naming an unset or empty variable must not start an open server: the
+    replica refuses (load_api_keys) and so does build_app, before any replica starts."""
+    from serve.app import load_api_keys
+
+    if value is None:
+        monkeypatch.delenv("DFLASH_TEST_NO_KEYS", raising=False)
+    else:
+        monkeypatch.setenv("DFLASH_TEST_NO_KEYS", value)
+    cfg = ServeConfig(api_keys_env="DFLASH_TEST_NO_KEYS", drafter="none")
+    with pytest.raises(ValueError, match="DFLASH_TEST_NO_KEYS is unset or empty"):
+        load_api_keys(cfg)
+    with pytest.raises(ValueError, match="refusing to serve without auth"):
+        build_app(cfg)
+
+
 def test_engine_joins_leaves_and_cancels_between_steps(target_fp32):
     """The batching loop alone (no Ray): staggered arrivals are exact and share steps."""
     import asyncio
@@ -185,6 +199,7 @@ def test_engine_joins_leaves_and_cancels_between_steps(target_fp32):
 def test_health_and_models(app_url, client):
     health = requests.get(f"{app_url}/health", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert health.json()["block_size"] == 3  # ServeConfig.block_size, below the drafter's trained 4
     assert [m.id for m in client.models.list().data] == ["default:SmolLM2-135M-Instruct"]
 
 
@@ -444,7 +459,7 @@ def _stop(proc: subprocess.Popen, sig: int) -> str:
 def test_dflash_serve_runs_in_foreground_and_stops_on_sigterm():
     """run_serve (what `dflash serve` calls) in its own process with its own Ray."""
     port = free_port()
-    code = ("from serve.config import load_serve_config, run_serve; import sys; "
+    code = ("from serve.config import load_serve_config; from jobs.serve_run import run_serve; import sys; "
             "run_serve(load_serve_config('serve/config.yaml', sys.argv[1:]))")
     overrides = [f"port={port}", "ray_address=local", "max_replicas=1", "num_cpus_per_replica=0.5"]
     proc = subprocess.Popen([sys.executable, "-c", code, *overrides], cwd=REPO,
