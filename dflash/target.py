@@ -132,7 +132,25 @@ class TargetOutput:
     taps: torch.Tensor | None  # (b, t, n_taps*D): outputs of the tapped layers, concatenated
 
 
-class Target:
+class TargetShape:
+    """The numbers of a target that a drafter must match, read from its `config`."""
+
+    config: object
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+
+class Target(TargetShape):
     """A frozen causal LM with the three things DFlash needs from it: its embedding,
     its LM head, and a forward that returns logits plus the tapped hidden states."""
 
@@ -153,18 +171,6 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.lm_head.weight.dtype
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -276,7 +282,7 @@ def weights_hash(model_dir: Path) -> str:
 
 
 @dataclass(frozen=True)
-class TargetInfo:
+class TargetInfo(TargetShape):
     """A target without its weights: what a drafter config, a data check or a plan needs."""
 
     config: object  # the transformers PretrainedConfig
@@ -284,18 +290,6 @@ class TargetInfo:
     target_id: str
     weights_hash: str
     model_dir: Path
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
 
 def inspect_target(spec: str = "default", cache_dir: str | Path | None = None) -> TargetInfo:
