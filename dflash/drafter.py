@@ -136,6 +136,10 @@ class DFlashDrafter(nn.Module):
             self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size), persistent=True)
         else:
             self.draft_vocab = None
+        # (D,) the embedding of the mask slots when a checkpoint ships its own (mask_embedding.pt),
+        # else None and mask slots embed as the target's row mask_token_id. Not in the state dict:
+        # dflash.checkpoint reads and writes it as its own file, the way vLLM does
+        self.register_buffer("mask_embedding", None, persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -164,6 +168,25 @@ class DFlashDrafter(nn.Module):
         if ids.unique().numel() != ids.numel() or not 0 <= int(ids[0]) <= int(ids[-1]) < self.config.vocab_size:
             raise ValueError("draft vocabulary ids must be distinct target token ids")
         self.draft_vocab.copy_(ids)
+
+    @torch.no_grad()
+    def set_mask_embedding(self, embedding: torch.Tensor | None) -> None:
+        """Use `embedding` (D,) for the mask slots instead of the target's row (None: the row)."""
+        if embedding is not None:
+            embedding = embedding.detach().reshape(-1)
+            if embedding.shape != (self.config.hidden_size,):
+                raise ValueError(f"mask embedding must have {self.config.hidden_size} values, got {embedding.numel()}")
+            embedding = embedding.to(self.fc.weight)
+        self.mask_embedding = embedding
+
+    def embed_block(self, embed, block_ids: torch.Tensor) -> torch.Tensor:
+        """block_ids (b, q) -> (b, q, D) block input: `embed` (the target's embedding) of every
+        slot, with the drafter's own mask embedding on the mask slots when it has one."""
+        emb = embed(block_ids)
+        if self.mask_embedding is None:
+            return emb
+        is_mask = (block_ids == self.config.mask_token_id).unsqueeze(-1)
+        return torch.where(is_mask, self.mask_embedding.to(emb.dtype), emb)
 
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> ContextKV:
         """taps (b, c, n_taps*D) raw target features -> per-layer injected k, v.

@@ -139,3 +139,146 @@ def test_shipped_reference_drafter_is_small_bf16_and_its_recipe_is_the_reference
             assert trained["train_config"][key] == value, key
     log = [json.loads(line) for line in (ref / "training_log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == recipe["max_steps"] and "eval_tau" in log[-1]
+
+
+# --- import: the public z-lab / vLLM layout ------------------------------------------------------
+
+ZLAB_FIELDS = {  # what the public drafters' config.json carry beside the DFlash fields (z-lab, transformers 4.x)
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "bos_token_id": 1, "eos_token_id": 2, "use_cache": True,
+    "torch_dtype": "bfloat16", "transformers_version": "4.57.1", "max_window_layers": 1, "sliding_window": None,
+    "layer_types": ["full_attention"], "initializer_range": 0.02, "tie_word_embeddings": False,
+}
+
+
+def public_copy(src: Path, out: Path, keep_vocab: bool = False, head: torch.Tensor | None = None) -> Path:
+    """`src` (our layout) as a public drafter would ship it: no private section, the hub's
+    config fields; by default the full vocabulary (no d2t, no lm_head) or `head` as lm_head."""
+    out.mkdir(parents=True)
+    state = load_file(str(src / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    for k in ("dflash_ray", "dtype"):
+        cfg.pop(k)
+    if not keep_vocab:
+        state.pop("d2t", None), state.pop("lm_head.weight", None), cfg.pop("draft_vocab_size", None)
+    if head is not None:
+        state["lm_head.weight"] = head.contiguous()
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg | ZLAB_FIELDS))
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy3(target_fp32):
+    """Three prompts and transformers' greedy answers to them (fp32, 24 tokens)."""
+    from support import CHAT_PROMPTS, chat_prompt_ids, hf_greedy
+
+    prompts = chat_prompt_ids(target_fp32, CHAT_PROMPTS[:3])
+    return prompts, [hf_greedy(target_fp32, p, 24) for p in prompts]
+
+
+def decodes_losslessly(target, drafter, greedy, block=4) -> float:
+    from dflash.decoding import SamplingParams, SpeculativeDecoder
+
+    prompts, reference = greedy
+    out = SpeculativeDecoder(target, drafter, block_size=block).generate(prompts, SamplingParams(24))
+    assert [r.output_ids for r in out] == reference
+    return sum(r.stats.tau for r in out) / len(out)
+
+
+def test_public_layout_imports_and_decodes_losslessly(tmp_path, target_fp32, greedy3):
+    ref = reference_drafter_dir(target_fp32.target_id)
+    full = load_drafter(public_copy(ref, tmp_path / "full"), target=target_fp32)
+    assert full.config.draft_vocab_size == 0 and full.config.target_id == "" and full.config.extra == {}
+    assert decodes_losslessly(target_fp32, full, greedy3) > 1.0  # real weights: some drafts accepted
+    # vLLM's reduced vocabulary as another tool wrote it, and a full-vocabulary copy of the target's head
+    reduced = load_drafter(public_copy(ref, tmp_path / "reduced", keep_vocab=True), target=target_fp32)
+    assert reduced.config.draft_vocab_size == 8192
+    decodes_losslessly(target_fp32, reduced, greedy3)
+    head = target_fp32.model.lm_head.weight.detach().to(torch.bfloat16)
+    with_head = load_drafter(public_copy(ref, tmp_path / "head", head=head), target=target_fp32)
+    assert with_head.config.draft_vocab_size == 0
+    with pytest.raises(CheckpointError, match="lm_head.weight is not the target's"):
+        load_drafter(public_copy(ref, tmp_path / "own_head", head=torch.randn_like(head)), target=target_fp32)
+
+
+def test_mask_embedding_file_is_read_safely_and_replaces_the_mask_row(tmp_path, target_fp32, greedy3):
+    ref = reference_drafter_dir(target_fp32.target_id)
+    d = public_copy(ref, tmp_path / "m")
+    cfg = read_drafter_config(d)
+    emb = torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    torch.save(emb, d / "mask_embedding.pt")
+    drafter = load_drafter(d, target=target_fp32)
+    assert torch.equal(drafter.mask_embedding, emb)
+    block = torch.tensor([[7, cfg.mask_token_id, cfg.mask_token_id]])
+    x = drafter.embed_block(target_fp32.embed, block)
+    assert torch.equal(x[0, 0], target_fp32.embed(block)[0, 0]) and torch.equal(x[0, 1], emb) and torch.equal(x[0, 2], emb)
+    decodes_losslessly(target_fp32, drafter, greedy3)
+    # written back next to the weights, the way vLLM reads it
+    save_drafter(drafter, tmp_path / "again", dtype="fp32")
+    assert torch.equal(load_drafter(tmp_path / "again").mask_embedding, emb)
+    # the dict form names its mask token, which must be the config's
+    torch.save({"embedding": emb, "mask_token_id": cfg.mask_token_id}, d / "mask_embedding.pt")
+    assert torch.equal(load_drafter(d).mask_embedding, emb)
+    torch.save({"embedding": emb, "mask_token_id": cfg.mask_token_id + 1}, d / "mask_embedding.pt")
+    with pytest.raises(CheckpointError, match="mask_token_id"):
+        load_drafter(d)
+    torch.save(torch.zeros(3), d / "mask_embedding.pt")
+    with pytest.raises(CheckpointError, match=f"expected {cfg.hidden_size} float values"):
+        load_drafter(d)
+    torch.save({"embedding": emb, "code": Path("x")}, d / "mask_embedding.pt")  # not plain tensors: never unpickled
+    with pytest.raises(CheckpointError, match="weights_only"):
+        load_drafter(d)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"my_new_field": 1}, "my_new_field"),
+    ({"dflash_config": {"mask_token_id": 16, "target_layer_ids": [1, 8, 14, 20, 27], "noise_schedule": "x"}},
+     "noise_schedule"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types"),
+])
+def test_config_fields_we_cannot_honour_are_errors_that_name_them(tmp_path, drafter, change, named):
+    save_drafter(drafter, tmp_path, dtype="fp32")
+    cfg = json.loads((tmp_path / "config.json").read_text()) | ZLAB_FIELDS
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    read_drafter_config(tmp_path)  # the hub's bookkeeping fields are fine
+    (tmp_path / "config.json").write_text(json.dumps(cfg | change))
+    with pytest.raises(CheckpointError, match=named):
+        read_drafter_config(tmp_path)
+
+
+# --- export formats ------------------------------------------------------------------------------
+
+def test_export_formats(tmp_path, target_fp32):
+    from dflash.export_formats import convert_drafter, drafter_layout
+
+    ref = reference_drafter_dir(target_fp32.target_id)
+    assert drafter_layout(ref) == "vllm"
+    shipped = load_drafter(ref, target=target_fp32)
+    # sglang / full: the same drafter over the whole vocabulary, no lm_head, no d2t; the rest travels along
+    for fmt in ("sglang", "full"):
+        out = convert_drafter(ref, tmp_path / fmt, fmt)
+        assert drafter_layout(out) == "full"
+        assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(ref / "model.safetensors"))) - {
+            "d2t", "lm_head.weight"}
+        cfg = json.loads((out / "config.json").read_text())
+        assert "draft_vocab_size" not in cfg and cfg["dtype"] == "bfloat16"
+        assert (out / "corpus" / "corpus.safetensors").is_file() and (out / "training.json").is_file()
+        back = load_drafter(out, target=target_fp32)
+        assert back.config == shipped.config.replace(draft_vocab_size=0)
+        for k, v in back.state_dict().items():
+            assert torch.equal(v, shipped.state_dict()[k]), k
+    # vllm from the full one keeps the full vocabulary; from the shipped one, the same tensors
+    assert drafter_layout(convert_drafter(tmp_path / "full", tmp_path / "v1", "vllm")) == "full"
+    out = convert_drafter(ref, tmp_path / "v2", "vllm")
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # in place, and the refusals
+    convert_drafter(out, out, "sglang")
+    assert drafter_layout(out) == "full" and (out / "corpus" / "corpus.safetensors").is_file()
+    with pytest.raises(FileExistsError):
+        convert_drafter(ref, tmp_path / "full", "full")
+    with pytest.raises(ValueError, match="unknown drafter format 'onnx'"):
+        convert_drafter(ref, tmp_path / "x", "onnx")

@@ -4,13 +4,16 @@ checkpoint, the training data's token counts, and lossless decoding with the rea
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from dflash.checkpoint import load_drafter, save_drafter
+from dflash.checkpoint import CheckpointError, load_drafter, reference_drafter_dir, save_drafter
 from dflash.config import DrafterConfig
 from dflash.decoding import SamplingParams, SpeculativeDecoder
 from dflash.drafter import DFlashDrafter, OutputHead
@@ -117,3 +120,91 @@ def test_decoding_is_lossless_fp32_and_drafts_only_the_vocabulary(target_fp32, k
     assert torch.isinf(q[..., ~allowed]).all() and torch.isfinite(q[..., allowed]).all()
     out = dec.generate(prompts, SamplingParams(24), batch_size=3)
     assert [r.output_ids for r in out] == reference
+
+
+# --- on disk: vLLM's layout (draft_vocab_size, d2t, lm_head.weight), and the legacy one -------
+
+def legacy_copy(src, out):
+    """The layout this project wrote before vLLM's: a `draft_vocab` id tensor, the size in
+    dflash_config, no d2t and no lm_head."""
+    out.mkdir(parents=True)
+    state = load_file(str(src / "model.safetensors"))
+    d2t = state.pop("d2t")
+    state.pop("lm_head.weight")
+    state["draft_vocab"] = torch.arange(d2t.numel()) + d2t
+    save_file(state, str(out / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["dflash_config"]["draft_vocab_size"] = cfg.pop("draft_vocab_size")
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_reduced_vocabulary_is_stored_as_vllm_stores_it(tmp_path, target_fp32):
+    d = small_vocab_drafter(target_fp32, 300, seed=1)
+    save_drafter(d, tmp_path / "d", dtype="bf16")  # the default target's head, read by its id
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 300 and "draft_vocab_size" not in cfg["dflash_config"]
+    state = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert "draft_vocab" not in state and state["d2t"].dtype == torch.int64
+    assert torch.equal(torch.arange(300) + state["d2t"], d.draft_vocab)  # target id = draft id + d2t[draft id]
+    head = target_fp32.model.lm_head.weight.detach()
+    assert torch.equal(state["lm_head.weight"], head[d.draft_vocab].to(torch.bfloat16))
+    # the head given explicitly, whole or as the vocabulary's rows, writes the same tensors
+    for given in (head, head[d.draft_vocab]):
+        save_drafter(d, tmp_path / "e", dtype="bf16", lm_head_weight=given)
+        again = load_file(str(tmp_path / "e" / "model.safetensors"))
+        assert all(torch.equal(again[k], state[k]) for k in state)
+    with pytest.raises(CheckpointError, match="pass lm_head_weight"):
+        save_drafter(DFlashDrafter(d.config.replace(target_id="hf:other")), tmp_path / "f")
+
+
+def test_worked_example_of_d2t(tmp_path, target_fp32):
+    d = small_vocab_drafter(target_fp32, 3)
+    d.set_draft_vocab([40, 5, 9])
+    save_drafter(d, tmp_path, lm_head_weight=target_fp32.model.lm_head.weight)
+    assert load_file(str(tmp_path / "model.safetensors"))["d2t"].tolist() == [5, 8, 38]
+
+
+def test_legacy_draft_vocab_checkpoint_still_loads(tmp_path, target_fp32):
+    d = small_vocab_drafter(target_fp32, 300, seed=1)
+    save_drafter(d, tmp_path / "new", dtype="fp32")
+    old = legacy_copy(tmp_path / "new", tmp_path / "old")
+    back = load_drafter(old, target=target_fp32)
+    assert back.config == d.config
+    for (k, a), b in zip(d.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_any_d2t_order_loads_and_a_head_not_the_targets_is_refused(tmp_path, target_fp32):
+    d = small_vocab_drafter(target_fp32, 64, seed=4)
+    save_drafter(d, tmp_path / "d", dtype="fp32")
+    state = load_file(str(tmp_path / "d" / "model.safetensors"))
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    ids = d.draft_vocab[perm]  # another producer's draft-id order
+    state["d2t"] = ids - torch.arange(64)
+    state["lm_head.weight"] = target_fp32.model.lm_head.weight.detach()[ids].clone()
+    save_file(state, str(tmp_path / "d" / "model.safetensors"))
+    assert torch.equal(load_drafter(tmp_path / "d", target=target_fp32).draft_vocab, d.draft_vocab)
+    state["lm_head.weight"] = state["lm_head.weight"] + 0.1  # a head of its own
+    save_file(state, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="lm_head.weight is not the target's"):
+        load_drafter(tmp_path / "d", target=target_fp32)
+    del state["d2t"]
+    save_file(state, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="draft_vocab_size 64 but the weights hold no d2t"):
+        load_drafter(tmp_path / "d")
+
+
+def test_shipped_drafter_is_in_vllm_layout_with_the_legacy_layouts_logits(tmp_path, target_bf16):
+    ref = reference_drafter_dir(target_bf16.target_id)
+    state = load_file(str(ref / "model.safetensors"))
+    assert "draft_vocab" not in state and {"d2t", "lm_head.weight"} <= set(state)
+    shipped = load_drafter(ref, target=target_bf16, dtype="bf16")  # the head rows are the target's
+    assert torch.equal(state["lm_head.weight"], target_bf16.model.lm_head.weight[shipped.draft_vocab])
+    legacy = load_drafter(legacy_copy(ref, tmp_path / "legacy"), target=target_bf16, dtype="bf16")
+    prompts = chat_prompt_ids(target_bf16, CHAT_PROMPTS[:2])
+    logits = []
+    for d in (shipped, legacy):
+        dec = SpeculativeDecoder(target_bf16, d)
+        logits.append(dec.draft_logits(dec.prefill(prompts, SamplingParams(8))))
+    assert torch.equal(logits[0], logits[1])
