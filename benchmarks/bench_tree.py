@@ -21,9 +21,10 @@ import torch
 from dflash.bench import BF16_MARGIN, emitted_token_margins
 from dflash.checkpoint import load_drafter, reference_drafter_dir
 from dflash.corpus import CorpusIndex
-from dflash.decoding import SamplingParams, SpeculativeDecoder
+from dflash.decoding import SpeculativeDecoder
 from dflash.lookup import LookupConfig
 from dflash.prompts import load_prompt_set
+from dflash.sampling import SamplingParams
 from dflash.target import load_target
 from dflash.tree import TreeConfig
 

@@ -281,3 +281,18 @@ class DrafterConfig:
             target_id=target_id,
             extra=ours,
         )
+
+
+def check_drafter_fits(cfg, target) -> None:
+    """Refuse a drafter made for another target, naming the mismatch. cfg: a DrafterConfig
+    (hidden_size, num_target_layers, vocab_size); target: anything with hidden_size,
+    num_layers, vocab_size and target_id (a Target, or its metadata)."""
+    problems = []
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
+    if cfg.num_target_layers != target.num_layers:
+        problems.append(f"made for a {cfg.num_target_layers}-layer target, this target has {target.num_layers}")
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {cfg.vocab_size} != target's {target.vocab_size}")
+    if problems:
+        raise ValueError(f"drafter does not fit target {target.target_id}: " + "; ".join(problems))

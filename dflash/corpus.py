@@ -44,7 +44,12 @@ def _window_keys(tokens: np.ndarray, starts: np.ndarray, n: int, base: int) -> n
 
 def _most_frequent_next(keys: np.ndarray, nexts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For every distinct key, the next token seen most often after it (ties: the smaller id).
-    Returns (sorted unique keys, their next token)."""
+    Returns (sorted unique keys, their next token).
+
+    Example: keys [7, 3, 7, 7, 3], nexts [1, 2, 2, 1, 0] -> ([3, 7], [0, 1]): after 7 came
+    1 twice and 2 once; after 3 came 2 and 0 once each, so the smaller id, 0. The pairs are
+    sorted by (key, next), runs of equal pairs counted, and the first of each key's runs
+    by descending count kept."""
     order = np.lexsort((nexts, keys))
     k, t = keys[order], nexts[order]
     new_pair = np.ones(len(k), dtype=bool)
@@ -107,7 +112,15 @@ class CorpusIndex:
 
     def propose(self, context: list[int]) -> list[int] | None:
         """Up to num_tokens tokens, each the corpus's continuation of the context so far
-        (earlier proposals included); None when the corpus knows no suffix of the context."""
+        (earlier proposals included); None when the corpus knows no suffix of the context.
+
+        Example, a corpus of [1 2 3 4 5], [1 2 3 4 6], [9 2 3 4 5 7], num_tokens 4:
+            context [.., 1, 2, 3, 4]  4-gram (1 2 3 4) -> 5 (5 and 6 once each: the smaller id)
+                                      4-gram (2 3 4 5) -> 7
+                                      (3 4 5 7) and (4 5 7) unknown: stop    -> [5, 7]
+            context [.., 8, 2, 3, 4]  (8 2 3 4) unknown, 3-gram (2 3 4) -> 5 (twice, 6 once),
+                                      then (2 3 4 5) -> 7                    -> [5, 7]
+        """
         tail = list(context[-max(ORDERS):])
         out: list[int] = []
         while len(out) < self.num_tokens:

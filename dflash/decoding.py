@@ -13,220 +13,38 @@ emit the bonus), so the baseline shares every line of bookkeeping. With context 
 (dflash.lookup), a sequence whose last tokens occurred earlier drafts a copy of what
 followed them instead of step 1's block; failing that, with a corpus (dflash.corpus), the
 continuation the target most often wrote after its last tokens. Such a cycle verifies the
-widest of the drafts. With a TreeConfig, a cycle instead verifies all of these guesses at
-once as a token tree and keeps the longest path of the target's own tokens (dflash.tree).
+widest of the drafts (W tokens, at most max_width), each row only its own. With a
+TreeConfig, a cycle instead verifies all of these guesses at once as a token tree and
+keeps the longest path of the target's own tokens (dflash.tree).
 
-Cache layout. Sequences in a batch accept different numbers of tokens, so slots are not
-positions. Both the target's KV cache and the drafter's context cache have the same S
-slots per row, and `slot_valid` (b, S) says which slots hold a verified token of that row;
-padding and rejected drafts are holes. Positions are tracked per row (`next_pos`), and
-every attention mask is built from `slot_valid` (dflash.masks), so holes cost memory but
-never change results. Worked example, B=4, two rows after a cycle where row 0 accepted 2
-drafts and row 1 accepted none:
-    slots appended this cycle   [a  d1 d2 d3]         keep = num_accepted + 1 = [3, 1]
-    cache cropped to S + max(keep) = S + 3 slots
-    row 0 valid  [.. 1 1 1]     row 1 valid  [.. 1 0 0]      next_pos += [3, 1]
-`compact()` squeezes the holes out (a per-row gather) once they pile up.
+The batch state and its cache layout (slots, holes, compaction) live in dflash.batch.
+Each request draws its random numbers from its own generator, as many as its own draft
+needs (dflash.sampling.row_uniforms), so a seeded request decodes the same text alone or
+in any batch.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import torch
 from transformers import DynamicCache
 
+from dflash.batch import DecodeBatch, Request, RequestStats, compact, select_rows
+from dflash.config import check_drafter_fits
 from dflash.corpus import ORDERS as CORPUS_ORDERS
 from dflash.corpus import CorpusIndex
 from dflash.drafter import DFlashDrafter, OutputHead, concat_context
 from dflash.lookup import LookupConfig, NgramIndex
 from dflash.masks import causal_attention_mask, extend_attention_mask
-from dflash.sampling import (VERIFY_RULES, greedy_tokens, sample_from, target_tokens, token_probs, verify_match,
-                             verify_rejection)
+from dflash.sampling import (VERIFY_RULES, SamplingParams, greedy_tokens, row_uniforms, sample_from, target_tokens,
+                             token_probs, verify_match, verify_rejection)
 from dflash.target import Target
 from dflash.tree import DraftTree, TreeConfig, build_tree
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding parameters. temperature 0 = greedy."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclass
-class RequestStats:
-    """Speculative statistics of one request. Times are the wall time of the batched
-    passes this request took part in."""
-
-    block_size: int
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    acceptance_lengths: list[int] = field(default_factory=list)  # accepted + 1, per cycle
-    lookup_cycles: int = 0  # cycles whose draft was copied from the context (dflash.lookup)
-    corpus_cycles: int = 0  # cycles whose draft came from the corpus (dflash.corpus)
-    prefill_time_s: float = 0.0
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-    total_time_s: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens per verify cycle (accepted drafts + the bonus), in [1, B]."""
-        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
-
-    def histogram(self) -> list[int]:
-        """counts[i] = cycles that emitted i+1 tokens, i in 0..block_size-1 (the widest cycle)."""
-        counts = [0] * self.block_size
-        for n in self.acceptance_lengths:
-            counts[min(n, self.block_size) - 1] += 1
-        return counts
-
-    def to_dict(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-            "cycles": len(self.acceptance_lengths),
-            "lookup_cycles": self.lookup_cycles,
-            "corpus_cycles": self.corpus_cycles,
-            "tau": round(self.tau, 4),
-            "acceptance_lengths": list(self.acceptance_lengths),
-            "acceptance_histogram": self.histogram(),
-            "prefill_time_s": round(self.prefill_time_s, 5),
-            "draft_time_s": round(self.draft_time_s, 5),
-            "verify_time_s": round(self.verify_time_s, 5),
-            "total_time_s": round(self.total_time_s, 5),
-            "tokens_per_s": round(self.generated_tokens / self.total_time_s, 3) if self.total_time_s > 0 else 0.0,
-        }
-
-
-@dataclass
-class Request:
-    """One sequence in flight: its parameters, output so far and statistics."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    stats: RequestStats
-    generator: torch.Generator
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    started: float = field(default_factory=time.perf_counter)
-    lookup: NgramIndex | None = None  # prompt + output, for context lookup drafts
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def last_tokens(self, n: int) -> list[int]:
-        """The last n tokens of prompt + output (fewer if the sequence is shorter)."""
-        if len(self.output_ids) >= n:
-            return self.output_ids[-n:]
-        return (self.prompt_ids + self.output_ids)[-n:]
-
-    def emit(self, tokens: list[int], stop_ids: set[int]) -> list[int]:
-        """Append tokens up to a stop token (kept) or max_new_tokens; return what was added."""
-        added = []
-        for tok in tokens:
-            if self.finished:
-                break
-            self.output_ids.append(tok)
-            added.append(tok)
-            if self.lookup is not None:
-                self.lookup.extend([tok])
-            if tok in stop_ids:
-                self.finish_reason = "stop"
-            elif len(self.output_ids) >= self.params.max_new_tokens:
-                self.finish_reason = "length"
-        self.stats.generated_tokens = len(self.output_ids)
-        return added
-
-
-@dataclass
-class DecodeBatch:
-    """The state of a batch in flight. All tensors share the row order of `requests`."""
-
-    requests: list[Request]
-    cache: DynamicCache  # target KV, S slots
-    context: list | None  # drafter context K/V per layer, S slots (None without a drafter)
-    slot_valid: torch.Tensor  # (b, S) bool
-    next_pos: torch.Tensor  # (b,) position of the anchor = number of verified tokens
-    anchor: torch.Tensor  # (b,) last emitted token, not yet in either cache
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    @property
-    def num_slots(self) -> int:
-        return self.slot_valid.shape[1]
-
-
-# --- cache surgery: the same slot operation applied to the target cache and the context ---
-
-def _map_kv(batch: DecodeBatch, fn) -> None:
-    for layer in batch.cache.layers:
-        if getattr(layer, "is_sliding", False):
-            raise NotImplementedError("sliding-window target layers are not supported by DFlash decoding")
-        layer.keys, layer.values = fn(layer.keys), fn(layer.values)
-    if batch.context is not None:
-        batch.context = [(fn(k), fn(v)) for k, v in batch.context]
-
-
-def select_rows(batch: DecodeBatch, rows: list[int]) -> DecodeBatch:
-    """Keep only `rows` (e.g. drop finished requests)."""
-    idx = torch.tensor(rows, dtype=torch.long, device=batch.slot_valid.device)
-    _map_kv(batch, lambda x: x.index_select(0, idx.to(x.device)))
-    return DecodeBatch(
-        requests=[batch.requests[i] for i in rows], cache=batch.cache, context=batch.context,
-        slot_valid=batch.slot_valid[idx], next_pos=batch.next_pos[idx], anchor=batch.anchor[idx])
-
-
-def compact(batch: DecodeBatch) -> DecodeBatch:
-    """Squeeze out holes: each row's valid slots, in order, right-aligned in S' = max valid."""
-    valid = batch.slot_valid
-    width = int(valid.sum(1).max())
-    if width == valid.shape[1]:
-        return batch
-    order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices[:, -width:]  # (b, S')
-
-    def gather(x):  # x (b, h, S, d)
-        idx = order.to(x.device)[:, None, :, None].expand(x.shape[0], x.shape[1], width, x.shape[3])
-        return x.gather(2, idx)
-
-    _map_kv(batch, gather)
-    batch.slot_valid = valid.gather(1, order)
-    return batch
-
-
-def merge(a: DecodeBatch, b: DecodeBatch) -> DecodeBatch:
-    """Join two batches (requests joining between steps): left-pad to a common slot count."""
-    s = max(a.num_slots, b.num_slots)
-    for part in (a, b):
-        pad = s - part.num_slots
-        if pad:
-            _map_kv(part, lambda x, pad=pad: torch.nn.functional.pad(x, (0, 0, pad, 0)))
-            part.slot_valid = torch.nn.functional.pad(part.slot_valid, (pad, 0), value=False)
-    for la, lb in zip(a.cache.layers, b.cache.layers):
-        la.keys, la.values = torch.cat([la.keys, lb.keys]), torch.cat([la.values, lb.values])
-    context = None
-    if a.context is not None:
-        context = [(torch.cat([ka, kb]), torch.cat([va, vb])) for (ka, va), (kb, vb) in zip(a.context, b.context)]
-    return DecodeBatch(
-        requests=a.requests + b.requests, cache=a.cache, context=context,
-        slot_valid=torch.cat([a.slot_valid, b.slot_valid]), next_pos=torch.cat([a.next_pos, b.next_pos]),
-        anchor=torch.cat([a.anchor, b.anchor]))
+# the old name; serve/app.py and dflash/checkpoint.py still import it from here
+check_drafter_matches_target = check_drafter_fits
 
 
 class SpeculativeDecoder:
@@ -237,8 +55,8 @@ class SpeculativeDecoder:
     block size unless its config says otherwise); 1 without a drafter. lookup: a sequence
     whose last tokens occurred earlier drafts lookup.num_tokens copied tokens instead
     (dflash.lookup); corpus: else a sequence whose last tokens the corpus knows drafts their
-    chained continuations (dflash.corpus). A cycle verifies its longest draft (at most
-    max_width tokens). tree: verify a draft tree of every guess instead (dflash.tree; at
+    chained continuations (dflash.corpus). A cycle verifies the batch's longest draft (at
+    most max_width tokens), and each row accepts only from its own. tree: verify a draft tree of every guess instead (dflash.tree; at
     T > 0 its walk is the match rule, whatever `verify` says).
     """
 
@@ -259,7 +77,7 @@ class SpeculativeDecoder:
             self.block_size = 1
         else:
             cfg = drafter.config
-            check_drafter_matches_target(cfg, target)
+            check_drafter_fits(cfg, target)
             self.block_size = block_size or cfg.decode_block_size or cfg.block_size
             if self.block_size < 2:
                 raise ValueError("a drafter needs block_size >= 2")
@@ -279,9 +97,9 @@ class SpeculativeDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _uniforms(self, batch: DecodeBatch, n: int) -> torch.Tensor:
-        """(b, n) uniforms, each row from its own request's generator."""
-        return torch.stack([torch.rand(n, generator=r.generator) for r in batch.requests]).to(self.device)
+    def _uniforms(self, batch: DecodeBatch, counts: list[int], width: int) -> torch.Tensor:
+        """(b, width) uniforms: counts[i] from row i's own generator, then zeros (row_uniforms)."""
+        return row_uniforms([r.generator for r in batch.requests], counts, width).to(self.device)
 
     def _param_tensors(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         temps = torch.tensor([r.params.temperature for r in requests], device=self.device)
@@ -327,7 +145,7 @@ class SpeculativeDecoder:
             context = self.drafter.context_kv(taps, positions)
         batch = DecodeBatch(requests, cache, context, valid, lens.clone(), torch.zeros_like(lens))
         temps, top_ps = self._param_tensors(requests)
-        first = target_tokens(out.logits, temps, top_ps, self._uniforms(batch, 1))[:, 0]
+        first = target_tokens(out.logits, temps, top_ps, self._uniforms(batch, [1] * len(batch), 1))[:, 0]
         batch.anchor = first
         self._sync()
         dt = time.perf_counter() - t0
@@ -353,55 +171,55 @@ class SpeculativeDecoder:
         """draft_scores over the whole target vocabulary (b, B-1, V): -inf where undraftable."""
         return self.head.full(self.draft_scores(batch))
 
-    def _propose(self, r: Request) -> tuple[list[int] | None, str | None]:
-        """A draft that needs no drafter pass, and where it came from: the context, the corpus or none."""
-        if r.lookup is not None and (c := r.lookup.propose()) is not None:
-            return c, "lookup"
-        if self.corpus is not None and (c := self.corpus.propose(r.last_tokens(max(CORPUS_ORDERS)))) is not None:
-            return c, "corpus"
-        return None, None
+    def _copies(self, r: Request, extra: list[int] = ()) -> Iterator[tuple[list[int], str]]:
+        """The guesses that need no drafter pass, best first, lazily: what followed the
+        sequence's last tokens earlier in it ("lookup"), then the corpus's continuation of
+        them ("corpus"). extra: tokens taken as appended for this guess only (a tree
+        branch's first token)."""
+        if r.lookup is not None and (c := r.lookup.propose(extra)) is not None:
+            yield c, "lookup"
+        if self.corpus is not None and \
+                (c := self.corpus.propose(r.last_tokens(max(CORPUS_ORDERS)) + list(extra))) is not None:
+            yield c, "corpus"
 
-    def _draft(self, batch: DecodeBatch, temps, top_ps, u, rejection: bool
-               ) -> tuple[torch.Tensor | None, torch.Tensor | None, list]:
-        """This cycle's drafts (b, W-1), the distributions they were drawn from (b, W-1, V;
-        built only for the rejection rule, else None) and per row where its draft came from
-        ("lookup", "corpus" or None for the drafter); W is this cycle's verify width: the
-        longest draft + 1, at least block_size while any row drafts with the drafter
-        (drafts None when W = 1).
+    def _copy(self, r: Request, extra: list[int] = ()) -> tuple[list[int] | None, str | None]:
+        """The best guess that needs no drafter pass and its source, or (None, None)."""
+        return next(self._copies(r, extra), (None, None))
 
-        A lookup or corpus draft is a proposal with probability one; a short one is padded
-        with its last token. The other rows draft with the drafter: its argmax, or a sample
-        under the rejection rule; slots past its block repeat its last draft with
-        probability one. Every draft depends on the context alone, which is what the
-        rejection rule needs."""
+    def _draft(self, batch: DecodeBatch, copies: list, W: int, temps, top_ps, u_draft: torch.Tensor,
+               rejection: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This cycle's drafts (b, W-1) and, for the rejection rule, the distributions they
+        were drawn from (b, W-1, V; else None). W: this cycle's verify width.
+
+        A row with a copy (copies[i], from the context or the corpus) drafts it, a proposal
+        with probability one. The other rows draft with the drafter: its argmax, or under
+        the rejection rule a sample drawn with u_draft (b, B-1). A row shorter than W-1 is
+        padded with its last draft (or its anchor, without any draft); the verify accepts
+        nothing past a row's own draft (dflash.sampling, `lengths`). Every draft depends on
+        the context alone, which is what the rejection rule needs."""
         b, B = len(batch), self.block_size
-        copies, sources = zip(*[self._propose(r) for r in batch.requests])
-        copied = [c is not None for c in copies]
-        W = max([len(c) + 1 for c in copies if c is not None] + ([B] if not all(copied) else []))
-        if W == 1:
-            return None, None, list(sources)
         draft = batch.anchor[:, None].repeat(1, W - 1)  # placeholders, overwritten below
+        from_drafter = [c is None for c in copies]
         q_drafter = None
-        if self.drafter is not None and not all(copied):
+        if self.drafter is not None and any(from_drafter):
             logits = self.draft_scores(batch)  # (b, B-1, K) over the draft vocabulary
             if rejection:
                 q_drafter = token_probs(self.head.full(logits), temps, top_ps)  # (b, B-1, V)
-                d = sample_from(q_drafter, u[:, : B - 1])
+                d = sample_from(q_drafter, u_draft)
             else:
                 d = self.head.token_ids(greedy_tokens(logits))
             draft[:, : B - 1] = d
             draft[:, B - 1:] = d[:, -1:]
         for i, c in enumerate(copies):
             if c is not None:
-                c = (c + c[-1:] * W)[: W - 1]
-                draft[i] = torch.tensor(c, device=self.device)
+                draft[i] = torch.tensor((c + c[-1:] * W)[: W - 1], device=self.device)
         if not rejection:
-            return draft, None, list(sources)
+            return draft, None
         q = torch.zeros(b, W - 1, self.target.vocab_size, device=self.device).scatter_(-1, draft[..., None], 1.0)
         if q_drafter is not None:
-            rows = torch.tensor([not c for c in copied], device=self.device)
+            rows = torch.tensor(from_drafter, device=self.device)
             q[rows, : B - 1] = q_drafter[rows]
-        return draft, q, list(sources)
+        return draft, q
 
     @torch.no_grad()
     def step(self, batch: DecodeBatch) -> list[list[int]]:
@@ -411,30 +229,37 @@ class SpeculativeDecoder:
         """
         if self.tree is not None:
             return self._step_tree(batch)
-        b = len(batch)
+        b, B = len(batch), self.block_size
         temps, top_ps = self._param_tensors(batch.requests)
-        u = self._uniforms(batch, 3 * self.max_width)  # draft sampling | acceptance | target/bonus draws
         # the rejection rule on greedy rows is the match rule on argmaxes (dflash.sampling):
         # distributions are built only for a cycle with a sampled row
         rejection = self.verify == "rejection" and bool((temps > 0).any())
 
         t0 = time.perf_counter()
-        draft, q, sources = self._draft(batch, temps, top_ps, u, rejection)
-        B = 1 if draft is None else draft.shape[1] + 1  # this cycle's verify width
-        positions = batch.next_pos[:, None] + torch.arange(B, device=self.device)  # (b, B)
+        copies, sources = zip(*[self._copy(r) for r in batch.requests])
+        lengths = [len(c) if c is not None else B - 1 for c in copies]  # each row's own drafts
+        W = max(lengths) + 1  # this cycle's verify width: the anchor and the longest draft
+        # each row's own draws, in this order: drafter samples, acceptance tests, the target's tokens
+        u_draft = self._uniforms(batch, [B - 1 if c is None else 0 for c in copies], B - 1)
+        u_accept = self._uniforms(batch, lengths, W - 1)
+        u_target = self._uniforms(batch, [n + 1 for n in lengths], W)
+        draft, q = self._draft(batch, copies, W, temps, top_ps, u_draft, rejection) if W > 1 else (None, None)
+        positions = batch.next_pos[:, None] + torch.arange(W, device=self.device)  # (b, W)
         verify_ids = batch.anchor[:, None] if draft is None else torch.cat([batch.anchor[:, None], draft], dim=1)
         self._sync()
         t1 = time.perf_counter()
-        out = self.target.forward(verify_ids, positions, extend_attention_mask(batch.slot_valid, B, causal=True),
+        out = self.target.forward(verify_ids, positions, extend_attention_mask(batch.slot_valid, W, causal=True),
                                   batch.cache, tap_layer_ids=self.tap_ids if self.drafter is not None else None)
+        lengths_t = torch.tensor(lengths, device=self.device)
         if draft is None:
             n_acc = torch.zeros(b, dtype=torch.long, device=self.device)
-            bonus = target_tokens(out.logits, temps, top_ps, u[:, 2 * B: 2 * B + 1])[:, 0]
+            bonus = target_tokens(out.logits, temps, top_ps, u_target)[:, 0]
         elif rejection:
-            p = token_probs(out.logits, temps, top_ps)  # (b, B, V)
-            n_acc, bonus = verify_rejection(draft, q, p, u[:, B - 1: 2 * B - 2], u[:, 2 * B])
+            p = token_probs(out.logits, temps, top_ps)  # (b, W, V)
+            u_bonus = u_target.gather(1, lengths_t[:, None])[:, 0]  # the row's draw after its own drafts
+            n_acc, bonus = verify_rejection(draft, q, p, u_accept, u_bonus, lengths_t)
         else:
-            n_acc, bonus = verify_match(draft, target_tokens(out.logits, temps, top_ps, u[:, 2 * B - 1: 3 * B - 1]))
+            n_acc, bonus = verify_match(draft, target_tokens(out.logits, temps, top_ps, u_target), lengths_t)
         self._sync()
         t2 = time.perf_counter()
 
@@ -489,18 +314,11 @@ class SpeculativeDecoder:
             top = self.head.token_ids(logits[:, 0].topk(k, dim=-1).indices).tolist()
         rows = []
         for i, r in enumerate(batch.requests):
-            ctx = r.last_tokens(max(CORPUS_ORDERS))
-            branches = []
-            if r.lookup is not None and (c := r.lookup.propose()) is not None:
-                branches.append((c, "lookup"))
-            if self.corpus is not None and (c := self.corpus.propose(ctx)) is not None:
-                branches.append((c, "corpus"))
+            branches = list(self._copies(r))
             if chain is not None:
                 branches.append((chain[i], "drafter"))
                 for tok in top[i][1:]:
-                    rest = r.lookup.propose([tok]) if r.lookup is not None else None
-                    if rest is None and self.corpus is not None:
-                        rest = self.corpus.propose(ctx + [tok])
+                    rest, _ = self._copy(r, [tok])
                     branches.append(([tok] + (rest or chain[i][1:]), "drafter"))
             rows.append([(br[:depth], src) for br, src in branches])
         return rows
@@ -513,14 +331,14 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         tree: DraftTree = build_tree(batch.anchor.tolist(), self._tree_branches(batch), self.tree.max_nodes,
                                      device=self.device)
-        w = tree.width
-        positions = batch.next_pos[:, None] + tree.depth
-        mask = torch.cat([batch.slot_valid[:, None, :].expand(b, w, s), tree.attend], dim=-1)[:, None]
+        W = tree.width  # this cycle's verify width: the widest row's tree
+        positions = batch.next_pos[:, None] + tree.depth  # (b, W)
+        mask = torch.cat([batch.slot_valid[:, None, :].expand(b, W, s), tree.attend], dim=-1)[:, None]
         self._sync()
         t1 = time.perf_counter()
         out = self.target.forward(tree.tokens, positions, mask, batch.cache,
                                   tap_layer_ids=self.tap_ids if self.drafter is not None else None)
-        y = target_tokens(out.logits, temps, top_ps, self._uniforms(batch, w))  # (b, W)
+        y = target_tokens(out.logits, temps, top_ps, self._uniforms(batch, tree.num_nodes, W))  # (b, W)
         paths, bonus = tree.walk(y.tolist())
         self._sync()
         t2 = time.perf_counter()
@@ -567,16 +385,3 @@ class SpeculativeDecoder:
                 self.step(batch)
                 batch, _ = self.drop_finished(batch)
         return results
-
-
-def check_drafter_matches_target(cfg, target: Target) -> None:
-    """Refuse a drafter made for another target, naming the mismatch."""
-    problems = []
-    if cfg.hidden_size != target.hidden_size:
-        problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
-    if cfg.num_target_layers != target.num_layers:
-        problems.append(f"made for a {cfg.num_target_layers}-layer target, this target has {target.num_layers}")
-    if cfg.vocab_size != target.vocab_size:
-        problems.append(f"vocabulary {cfg.vocab_size} != target's {target.vocab_size}")
-    if problems:
-        raise ValueError(f"drafter does not fit target {target.target_id}: " + "; ".join(problems))

@@ -62,7 +62,15 @@ class NgramIndex:
         """num_tokens tokens that followed the latest earlier occurrence of the longest
         matching suffix, or None. A match close to the end continues into the copy itself
         (a loop of period p repeats with period p). extra: tokens taken as appended to the
-        sequence for this lookup only (a draft tree's guess of the next token)."""
+        sequence for this lookup only (a draft tree's guess of the next token).
+
+        Example (num_tokens 4, max_ngram 2, min_ngram 1):
+            tokens [5, 6, 7, 8, 5, 6]   suffix (5, 6) ended at index 1 -> copy 2..5: [7, 8, 5, 6]
+            extra [7]                   suffix (6, 7) ended at index 2 -> copy 3..6: [8, 5, 6, 7]
+                                        (index 6 is the extra token itself)
+            tokens [1, 2, 3, 1, 2], num_tokens 5: (1, 2) ended at 1 -> [3, 1, 2, 3, 1], the
+                                        last two copied from the copy (period 3)
+        """
         seq = self.tokens[-self.cfg.max_ngram:] + list(extra)  # the suffix that is looked up
         last = len(self.tokens) + len(extra) - 1
 

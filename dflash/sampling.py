@@ -20,9 +20,44 @@ distributions p_1..p_{k+1} (p_i is the target's distribution for the token at dr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 VERIFY_RULES = ("match", "rejection")
+
+# --- parameter ranges: the one rule that SamplingParams, the CLI, YAML configs and the HTTP
+# API all check with `check_sampling_ranges` (an API may narrow a range where its spec does)
+MAX_TEMPERATURE = 100.0  # temperature in [0, MAX_TEMPERATURE]; 0 = greedy
+OPENAI_MAX_TEMPERATURE = 2.0  # the OpenAI API's temperature range is [0, 2]
+# top_p in (0, 1] (the smallest set of tokens whose mass reaches top_p); max_new_tokens >= 1
+
+
+def check_sampling_ranges(max_new_tokens: int | None = None, temperature: float | None = None,
+                          top_p: float | None = None, *, max_temperature: float = MAX_TEMPERATURE) -> None:
+    """Raise ValueError naming the first parameter outside its range; None skips a parameter.
+    max_temperature narrows the temperature range for an API (e.g. OPENAI_MAX_TEMPERATURE)."""
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature is not None and not 0.0 <= temperature <= max_temperature:
+        raise ValueError(f"temperature must be in [0, {max_temperature:g}], got {temperature}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. temperature 0 = greedy. A seed fixes the request's
+    random stream whatever batch it shares (dflash.batch.Request.uniforms)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        check_sampling_ranges(self.max_new_tokens, self.temperature, self.top_p)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -68,6 +103,21 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
+def row_uniforms(generators: list[torch.Generator], counts: list[int], width: int) -> torch.Tensor:
+    """(b, width) uniforms in [0, 1): row i's first counts[i] drawn from generators[i] (its
+    request's own stream), the rest 0. A row draws what it consumes, counts set by its own
+    draft alone, so a seeded request's stream is the same whatever rows share its batch.
+
+    Example: counts [2, 0, 3], width 3 -> [[g0, g0, 0], [0, 0, 0], [g2, g2, g2]], where
+    g0 are generator 0's next two draws and g2 generator 2's next three.
+    """
+    u = torch.zeros(len(generators), width)
+    for i, (g, n) in enumerate(zip(generators, counts)):
+        if n:
+            u[i, :n] = torch.rand(n, generator=g)
+    return u
+
+
 def target_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The target's own token at every slot: logits (b, k, V), u (b, k) -> (b, k).
 
@@ -86,31 +136,47 @@ def accepted_prefix_length(accept: torch.Tensor) -> torch.Tensor:
     return accept.long().cumprod(dim=1).sum(dim=1)
 
 
-def verify_match(draft: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _within(draft: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor | bool:
+    """(b, k) True on each row's own drafts: the first lengths[i] of row i (all without lengths)."""
+    if lengths is None:
+        return True
+    return torch.arange(draft.shape[1], device=draft.device)[None] < lengths.to(draft.device)[:, None]
+
+
+def verify_match(draft: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """draft (b, k); y (b, k+1) the target's own tokens (target_tokens) -> (num_accepted (b,), bonus (b,)).
 
-    The rejection rule on a greedy row (one-hot p and q) is this rule on its argmax."""
-    n = accepted_prefix_length(draft == y[:, :-1])
+    lengths (b,): row i proposed only its first lengths[i] drafts (a batch pads shorter
+    drafts to its widest); nothing past them is accepted, so a row's outcome is the one it
+    would have alone. The rejection rule on a greedy row (one-hot p and q) is this rule on
+    its argmax."""
+    n = accepted_prefix_length((draft == y[:, :-1]) & _within(draft, lengths))
     return n, y.gather(1, n[:, None]).squeeze(1)
 
 
 def verify_rejection(
-    draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, u_accept: torch.Tensor, u_bonus: torch.Tensor
+    draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, u_accept: torch.Tensor, u_bonus: torch.Tensor,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """draft (b, k) sampled from q (b, k, V); p (b, k+1, V); u_accept (b, k); u_bonus (b,).
 
-    -> (num_accepted (b,), bonus (b,)).
+    -> (num_accepted (b,), bonus (b,)). lengths (b,): as in verify_match; a row that accepts
+    all its lengths[i] drafts draws its bonus from p there, whatever q holds past them.
     """
     b, k = draft.shape
     p_d = p[:, :k].gather(-1, draft[..., None]).squeeze(-1)
     q_d = q.gather(-1, draft[..., None]).squeeze(-1)
-    accept = u_accept * q_d < p_d  # u < p/q without dividing by a zero q
+    accept = (u_accept * q_d < p_d) & _within(draft, lengths)  # u < p/q without dividing by a zero q
     n = accepted_prefix_length(accept)
-    # distribution of the bonus token: residual at the first rejection, else p_{k+1}
+    # distribution of the bonus token: residual at the first rejection, else p at the row's end
     rows = torch.arange(b, device=draft.device)
     p_n = p[rows, n]
     q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # q_{k+1} = 0 -> residual = p
-    residual = (p_n - q_pad[rows, n]).clamp(min=0)
+    q_n = q_pad[rows, n]
+    if lengths is not None:  # past a row's own drafts it proposed nothing: q = 0 there
+        q_n = torch.where((n < lengths.to(n.device))[:, None], q_n, torch.zeros_like(q_n))
+    residual = (p_n - q_n).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)  # p == q exactly: any draw of p
     return n, sample_from(residual, u_bonus)

@@ -49,6 +49,11 @@ class DraftTree:
     def width(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def num_nodes(self) -> list[int]:
+        """Each row's own nodes, anchor included (its tree before padding to `width`)."""
+        return [len(s) for s in self.source]
+
     def walk(self, target_tokens: list[list[int]]) -> tuple[list[list[int]], list[int]]:
         """target_tokens[i][n]: the target's token at node n of row i -> (paths, bonus).
 

@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dflash.corpus import ORDERS, CorpusIndex, answer_segments
+from dflash.corpus import ORDERS, CorpusIndex, _most_frequent_next, answer_segments
 
 
 def brute_next(segments: list[list[int]], context: list[int]) -> int | None:
@@ -21,6 +21,14 @@ def brute_next(segments: list[list[int]], context: list[int]) -> int | None:
         if counts:
             return min(counts, key=lambda t: (-counts[t], t))
     return None
+
+
+def test_the_docstring_examples():
+    corpus = CorpusIndex.from_segments([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 2, 3, 4, 5, 7]], 10, num_tokens=4)
+    assert corpus.propose([0, 1, 2, 3, 4]) == [5, 7] and corpus.propose([8, 8, 2, 3, 4]) == [5, 7]
+    assert corpus.propose([2, 3]) is None
+    keys, nexts = _most_frequent_next(np.array([7, 3, 7, 7, 3], dtype=np.uint64), np.array([1, 2, 2, 1, 0]))
+    assert keys.tolist() == [3, 7] and nexts.tolist() == [0, 1]
 
 
 @pytest.mark.parametrize("vocab", [3, 7, 50])

@@ -10,11 +10,13 @@ teacher-forced pass).
 import pytest
 import torch
 
+from dflash.batch import compact, merge
 from dflash.config import DrafterConfig
-from dflash.decoding import SamplingParams, SpeculativeDecoder, compact, merge
+from dflash.decoding import SpeculativeDecoder
 from dflash.drafter import DFlashDrafter
 from dflash.lookup import LookupConfig
 from dflash.masks import causal_attention_mask
+from dflash.sampling import SamplingParams
 from support import GREEDY_TOKENS as MAX_NEW
 
 BF16_MARGIN = 0.5  # logits; bf16 rounding of a 16-token verify vs 1-token steps stays well inside

@@ -58,6 +58,13 @@ def test_lookup_after_extra_tokens_matches_brute_force(cfg):
     assert found > 100
 
 
+def test_the_docstring_example():
+    index = NgramIndex(LookupConfig(num_tokens=4, max_ngram=2, min_ngram=1), [5, 6, 7, 8, 5, 6])
+    assert index.propose() == [7, 8, 5, 6] and index.propose([7]) == [8, 5, 6, 7]
+    assert NgramIndex(LookupConfig(num_tokens=5, max_ngram=2, min_ngram=1), [1, 2, 3, 1, 2]).propose() == \
+        [3, 1, 2, 3, 1]
+
+
 def test_a_loop_continues_with_its_period():
     index = NgramIndex(LookupConfig(num_tokens=5), [5, 6, 7, 5, 6, 7, 5, 6])
     assert index.propose() == [7, 5, 6, 7, 5]

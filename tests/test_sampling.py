@@ -8,11 +8,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.config import DrafterConfig
-from dflash.decoding import SamplingParams, SpeculativeDecoder
+from dflash.decoding import SpeculativeDecoder
 from dflash.drafter import DFlashDrafter
 from dflash.lookup import LookupConfig
 from dflash.masks import causal_attention_mask
-from dflash.sampling import accepted_prefix_length, sample_from, token_probs, verify_match, verify_rejection
+from dflash.sampling import (SamplingParams, accepted_prefix_length, sample_from, token_probs, verify_match,
+                             verify_rejection)
 from dflash.target import Target
 
 
@@ -40,29 +41,32 @@ def test_sample_from_is_inverse_cdf():
     assert int(sample_from(onehot, torch.tensor([0.0]))) == 2
 
 
-def _loop_match(draft, p, u):
+def _loop_match(draft, p, u, lengths=None):
     n, b = [], []
     for i in range(draft.shape[0]):
         y = [int(sample_from(p[i, j][None], u[i, j][None])) for j in range(p.shape[1])]
+        own = draft.shape[1] if lengths is None else int(lengths[i])
         k = 0
-        while k < draft.shape[1] and int(draft[i, k]) == y[k]:
+        while k < own and int(draft[i, k]) == y[k]:
             k += 1
         n.append(k)
         b.append(y[k])
     return n, b
 
 
-def _loop_rejection(draft, q, p, ua, ub):
+def _loop_rejection(draft, q, p, ua, ub, lengths=None):
+    """Each row alone, on its own drafts only (the first lengths[i])."""
     n, b = [], []
     for i in range(draft.shape[0]):
+        own = draft.shape[1] if lengths is None else int(lengths[i])
         k = 0
-        while k < draft.shape[1]:
+        while k < own:
             d = int(draft[i, k])
             if float(ua[i, k]) * float(q[i, k, d]) < float(p[i, k, d]):
                 k += 1
             else:
                 break
-        if k < draft.shape[1]:
+        if k < own:
             r = (p[i, k] - q[i, k]).clamp(min=0)
             r = r / r.sum() if r.sum() > 0 else p[i, k]
         else:
@@ -84,6 +88,52 @@ def test_verify_rules_match_loop_reference():
     n, bonus = verify_match(draft, sample_from(p, ut))
     assert (n.tolist(), bonus.tolist()) == _loop_match(draft, p, ut)
     assert 0 < n.float().mean() < k  # both accept and reject paths are exercised
+
+
+def test_verify_rules_accept_nothing_past_a_rows_own_draft():
+    """A batch pads shorter drafts to its widest: with lengths, each row's outcome is the
+    loop reference run on its own drafts alone, and the padding is never accepted."""
+    g = torch.Generator().manual_seed(3)
+    b, k, V = 96, 5, 4
+    p = torch.softmax(torch.randn(b, k + 1, V, generator=g), -1)
+    q = torch.softmax(torch.randn(b, k, V, generator=g), -1)
+    draft = sample_from(q, torch.rand(b, k, generator=g))
+    lengths = torch.randint(0, k + 1, (b,), generator=g)
+    ua, ut, ub = torch.rand(b, k, generator=g), torch.rand(b, k + 1, generator=g), torch.rand(b, generator=g)
+    n, bonus = verify_rejection(draft, q, p, ua, ub, lengths)
+    assert (n.tolist(), bonus.tolist()) == _loop_rejection(draft, q, p, ua, ub, lengths)
+    assert (n <= lengths).all() and (n == lengths).any() and (n < lengths).any()
+    n, bonus = verify_match(draft, sample_from(p, ut), lengths)
+    assert (n.tolist(), bonus.tolist()) == _loop_match(draft, p, ut, lengths)
+    assert (n <= lengths).all() and (n == lengths).any()
+
+
+def test_row_uniforms_draw_per_row_from_its_own_generator():
+    """The docstring's example: a row's draws depend on its own count and generator only."""
+    from dflash.sampling import row_uniforms
+
+    u = row_uniforms([torch.Generator().manual_seed(s) for s in (0, 1, 2)], [2, 0, 3], 3)
+    assert u[0, :2].tolist() == torch.rand(2, generator=torch.Generator().manual_seed(0)).tolist()
+    assert u[0, 2] == 0 and u[1].tolist() == [0, 0, 0]
+    assert u[2].tolist() == torch.rand(3, generator=torch.Generator().manual_seed(2)).tolist()
+    alone = row_uniforms([torch.Generator().manual_seed(2)], [3], 3)
+    assert torch.equal(alone[0], u[2])
+
+
+def test_sampling_ranges_are_one_rule():
+    from dflash.sampling import MAX_TEMPERATURE, OPENAI_MAX_TEMPERATURE, check_sampling_ranges
+
+    check_sampling_ranges(1, MAX_TEMPERATURE, 1.0)
+    SamplingParams(1, temperature=MAX_TEMPERATURE)
+    for kwargs, field in [({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": -0.1}, "temperature"),
+                          ({"temperature": float("nan")}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                          ({"top_p": 1.01}, "top_p")]:
+        with pytest.raises(ValueError, match=field):
+            check_sampling_ranges(**kwargs)
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match=r"temperature must be in \[0, 2\]"):
+        check_sampling_ranges(temperature=2.5, max_temperature=OPENAI_MAX_TEMPERATURE)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -313,3 +363,32 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny):
     other = SamplingParams(max_new_tokens=6, temperature=1.0, seed=8)
     together = dec.generate([PROMPT, PROMPT], [other, sp])[1].output_ids
     assert alone == together
+
+
+@pytest.mark.parametrize("rule,with_drafter,tree", [
+    ("rejection", True, False), ("match", True, False), ("rejection", False, False), ("match", True, True)])
+def test_seeded_request_decodes_the_same_alone_and_in_any_batch(tiny, rule, with_drafter, tree):
+    """A seeded T=1 request beside others of other prompts, lengths and temperatures, whose
+    cycles verify other widths (context copies of 5 tokens, the drafter's block of 4,
+    corpus chains of 3, ragged trees): its tokens are the ones it decodes alone (fp32)."""
+    import random
+
+    from dflash.corpus import CorpusIndex
+    from dflash.tree import TreeConfig
+
+    target, drafter = tiny
+    rng = random.Random(2)
+    corpus = CorpusIndex.from_segments([[rng.randrange(V) for _ in range(10)] for _ in range(12)], V, num_tokens=3)
+    dec = SpeculativeDecoder(target, drafter if with_drafter else None, verify=rule, corpus=corpus,
+                             lookup=LookupConfig(num_tokens=5, max_ngram=3, min_ngram=2),
+                             tree=TreeConfig(max_nodes=9, first_candidates=2) if tree else None)
+    others = [[4], [0, 5, 2, 2, 1, 3, 0, 4], [3, 3, 3], [1, 2, 3, 1, 2], [2, 0]]
+    other_params = [SamplingParams(20, temperature=t, seed=100 + i) for i, t in enumerate([1.0, 0.0, 1.5, 0.7, 1.0])]
+    for seed in range(8):
+        sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed)
+        alone = dec.generate([PROMPT], [sp])[0]
+        batched = dec.generate(others[:2] + [PROMPT] + others[2:], other_params[:2] + [sp] + other_params[2:])[2]
+        assert batched.output_ids == alone.output_ids, f"seed {seed}"
+        assert batched.stats.acceptance_lengths == alone.stats.acceptance_lengths
+    widths = {n for r in [alone, batched] for n in r.stats.acceptance_lengths}
+    assert max(widths) > 1 and (batched.stats.lookup_cycles or batched.stats.corpus_cycles)

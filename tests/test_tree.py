@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from dflash.corpus import CorpusIndex, answer_segments
-from dflash.decoding import SamplingParams, SpeculativeDecoder
+from dflash.decoding import SpeculativeDecoder
 from dflash.lookup import LookupConfig
+from dflash.sampling import SamplingParams
 from dflash.tree import TreeConfig, build_tree
 from support import GREEDY_TOKENS as MAX_NEW
 from test_decoding import BF16_MARGIN, _rescore_margins, _shipped_drafter
