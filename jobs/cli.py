@@ -155,6 +155,8 @@ def cmd_bench(args) -> int:
     target = pair.target
     if pair.drafter is None:
         raise UserError("bench compares DFlash with AR: it needs a drafter (a directory, 'default' or 'random')")
+    dtype = str(target.dtype).removeprefix("torch.")
+    print(f"[bench] dtype {args.dtype} -> {dtype}: {pair.dtype_reason}", file=sys.stderr)
     results = []
     for name, convs in sets:
         convs = convs[: args.limit] if args.limit else convs
@@ -172,7 +174,8 @@ def cmd_bench(args) -> int:
                               drafter_only=args.drafter_only)
             except ValueError as e:  # e.g. a prompt longer than the target's context
                 raise UserError(f"{name}: {e}") from e
-            results.append({"dataset": name, "target": target.target_id, "drafter": pair.drafter_source, **r})
+            results.append({"dataset": name, "target": target.target_id, "drafter": pair.drafter_source,
+                            "dtype": dtype, "dtype_reason": pair.dtype_reason, **r})
     table = markdown_table(results)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -289,7 +292,9 @@ def _decode_flags(p):
                    help="a drafter directory; 'default': the reference drafter shipped for the target; "
                         "'none': plain autoregressive; 'random': an untrained one. Default 'auto': the "
                         "shipped one if the target has one, else none (generate) or random (bench)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
+                   help="auto (default): bf16 where the device computes it natively (a CPU with "
+                        "avx512_bf16/amx_bf16, a GPU that supports it), else fp32")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

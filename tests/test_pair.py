@@ -89,3 +89,18 @@ def test_dflash_cache_moves_the_cache_for_every_stage(tmp_path, monkeypatch):
     info = inspect_target("default")
     assert Path(info.model_dir).parent == tmp_path / "cache" / "targets"
     assert info.num_layers == 30 and info.weights_hash
+
+
+def test_dtype_auto_is_bf16_only_where_the_cpu_computes_it_natively():
+    """Without AVX512-BF16/AMX a 4-token bf16 verify costs ~2.4 AR steps (emulated), so auto
+    must pick fp32 there; with them, bf16. Explicit dtypes are kept."""
+    from dflash.pair import cpu_has_native_bf16, resolve_dtype
+
+    sapphire = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    skylake = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512_vnni\n"
+    assert cpu_has_native_bf16(sapphire) and not cpu_has_native_bf16(skylake)
+    assert resolve_dtype("auto", "cpu", sapphire)[0] == "bf16"
+    dtype, why = resolve_dtype("auto", "cpu", skylake)
+    assert dtype == "fp32" and "no native bf16" in why
+    assert resolve_dtype("bf16", "cpu", skylake) == ("bf16", "asked for")
+    assert resolve_dtype("fp32", "cpu", sapphire) == ("fp32", "asked for")
