@@ -258,17 +258,3 @@ def concat_context(a: ContextKV | None, b: ContextKV) -> ContextKV:
         return b
     return [(torch.cat([ka, kb], 2), torch.cat([va, vb], 2)) for (ka, va), (kb, vb) in zip(a, b)]
 
-
-def crop_context(ctx: ContextKV, length: int) -> ContextKV:
-    return [(k[:, :, :length], v[:, :, :length]) for k, v in ctx]
-
-
-def select_context(ctx: ContextKV, rows: torch.Tensor) -> ContextKV:
-    return [(k[rows], v[rows]) for k, v in ctx]
-
-
-def left_pad_context(ctx: ContextKV, pad: int) -> ContextKV:
-    """Prepend `pad` zero slots (used to align batches of different lengths)."""
-    if pad == 0:
-        return ctx
-    return [(F.pad(k, (0, 0, pad, 0)), F.pad(v, (0, 0, pad, 0))) for k, v in ctx]
