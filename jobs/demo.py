@@ -180,7 +180,7 @@ def serve_one_request(cfg: DemoConfig, drafter_dir: str) -> dict:
     try:
         serve.run(build_app(scfg), name=scfg.app_name, route_prefix="/")
         url = f"http://{scfg.host}:{port}/v1/chat/completions"
-        body = {"model": "dflash", "messages": [{"role": "user", "content": cfg.question}],
+        body = {"model": scfg.app_name, "messages": [{"role": "user", "content": cfg.question}],
                 "max_tokens": cfg.serve_max_tokens, "temperature": 0}
         req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()

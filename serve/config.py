@@ -48,6 +48,10 @@ class ServeConfig(DecodeConfig):
     max_ongoing_requests: int = 16  # per replica; Serve queues the rest
     default_max_tokens: int = 256
     max_context_tokens: int | None = None  # context budget; default: the target's
+    max_body_bytes: int = 1_000_000  # larger request bodies get 413 before any parsing
+    max_queued_requests: int = 32  # per replica, waiting for a batch slot (and Serve's router queue): 429 beyond
+    request_timeout_s: float = 300.0  # queue + generation; past it: 503 (or an error event in a stream)
+    drain_timeout_s: float = 30.0  # on SIGINT/SIGTERM: in-flight requests get this long to finish
     # replicas and autoscaling
     min_replicas: int = 1
     max_replicas: int = 1
@@ -69,6 +73,14 @@ class ServeConfig(DecodeConfig):
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:

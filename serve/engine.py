@@ -105,11 +105,13 @@ class BatchingEngine:
         self._batch: DecodeBatch | None = None
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._reported_rows = 0  # batch size of the last StepReport
 
     # --- the caller's side ----------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Queued requests still wanted (a cancelled one leaves the queue at the next iteration)."""
+        return sum(1 for g in self._waiting if g.cancel_reason is None)
 
     @property
     def num_running(self) -> int:
@@ -198,6 +200,8 @@ class BatchingEngine:
     async def _loop(self) -> None:
         while True:
             if not self._running and not self._waiting:
+                if self._reported_rows:  # going idle: the batch-size gauge must read 0, not the last batch
+                    self._report(0, 0, 0.0, 0.0, [], 0)
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -243,6 +247,7 @@ class BatchingEngine:
             self._drop_finished()
 
     def _report(self, rows, admitted, draft_s, verify_s, acceptance, tokens) -> None:
+        self._reported_rows = rows
         if self.on_step is not None:
             try:
                 self.on_step(StepReport(rows, len(self._waiting), admitted, draft_s, verify_s, acceptance, tokens))
