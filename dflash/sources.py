@@ -8,12 +8,16 @@ Source specs:
   x.jsonl          one record per line
   x.parquet / dir  Parquet rows with a `messages`, `conversations` or `prompt` column
 
-Records are yielded as parsed; a line that is not JSON is yielded as an `Unparsable` so
-the caller can reject it with a reason instead of failing the job.
+Records are yielded as parsed; a record that is not JSON (a .jsonl line, a .json array
+element, invalid UTF-8 in a .jsonl line) is yielded as an `Unparsable` naming the file and
+position, so the caller rejects exactly that record and reads on. A .json file that is
+not UTF-8 cannot be cut into records safely: it is refused (SourceError, naming the file
+and byte) before any work.
 """
 
 from __future__ import annotations
 
+import codecs
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -21,6 +25,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 _CHUNK = 1 << 20
+
+
+class SourceError(ValueError):
+    """A source file that cannot be read record by record (named, with a position)."""
 
 
 @dataclass(frozen=True)
@@ -55,51 +63,126 @@ def resolve_source(spec: str) -> Path:
     return path
 
 
+def element_end(buf: str, pos: int) -> int | None:
+    """Index just past the array element starting at buf[pos] (at its closing , or ] at
+    depth 0), found by bracket depth outside strings; None if buf ends first.
+
+    Example: buf = '{"a": "}"}, {"b": 1}]', pos 0 -> 10 (the comma): the "}" inside the
+    string does not count. It needs no valid JSON, so a broken element can be skipped.
+    """
+    depth, in_string, escaped = 0, False, False
+    for i in range(pos, len(buf)):
+        ch = buf[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            if depth == 0:
+                return i if ch == "]" else None  # "]" closes the array; a stray "}" is no end
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return i
+    return None
+
+
+def _utf8_chunks(path: Path) -> Iterator[str]:
+    """The file's text, chunk by chunk; SourceError at the first invalid UTF-8 byte."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(_CHUNK)
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                raise SourceError(f"{path}: invalid UTF-8 at byte {offset + e.start} (a .json source must be "
+                                  "UTF-8; fix or drop that record)") from None
+            offset += len(raw)
+            if text:
+                yield text
+            if not raw:
+                return
+
+
 def iter_json_array(path: Path) -> Iterator[Any]:
     """Stream the elements of a top-level JSON array, chunk by chunk.
 
-    json.JSONDecoder.raw_decode parses one element from the buffer; when it fails, the
-    element may just span the chunk boundary: read more and retry. At end of file a
-    failing remainder (a cut-off last element, or invalid JSON from there on) is yielded
-    once as an Unparsable and the stream ends.
+    json.JSONDecoder.raw_decode parses one element from the buffer. When it fails, the
+    element either spans the chunk boundary (read more and retry) or is broken: then
+    `element_end` finds where it ends, it is yielded as an Unparsable (index and character
+    offset) and reading goes on after it. A last element cut off by the end of the file
+    (the ShareGPT wheel's copy ends so) is yielded as one Unparsable and the stream ends.
     """
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
-        buf = f.read(_CHUNK).lstrip()
-        if not buf.startswith("["):
-            raise ValueError(f"{path}: expected a JSON array")
-        buf, pos, eof, index = buf[1:], 0, False, 0
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                pos += 1
-            if pos < len(buf) and buf[pos] == "]":
+    chunks = _utf8_chunks(path)
+    buf = next(chunks, "").lstrip()
+    if not buf.startswith("["):
+        raise SourceError(f"{path}: expected a JSON array")
+    buf, pos, eof, index, dropped = buf[1:], 0, False, 0, 1  # dropped: characters before buf[0]
+
+    def more() -> bool:
+        nonlocal buf, pos, eof, dropped
+        chunk = next(chunks, "")
+        eof = not chunk
+        dropped += pos
+        buf, pos = buf[pos:] + chunk, 0
+        return not eof
+
+    while True:
+        while pos < len(buf) and buf[pos] in " \t\r\n,":
+            pos += 1
+        if pos < len(buf) and buf[pos] == "]":
+            return
+        if pos >= len(buf):
+            if eof or not more():
                 return
-            if pos >= len(buf) and eof:
+            continue
+        try:
+            obj, end = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError as e:
+            stop = element_end(buf, pos)
+            if stop is None:
+                if not eof and more():
+                    continue
+                yield Unparsable(f"{path}[{index}] (character {dropped + pos})",
+                                 f"truncated: the file ends inside this element ({len(buf) - pos} characters "
+                                 f"unparsed): {e.msg}")
                 return
-            try:
-                obj, end = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError as e:
-                if eof:
-                    yield Unparsable(f"{path}[{index}]", f"truncated or invalid JSON: {e.msg}")
-                    return
-                more = f.read(_CHUNK)
-                eof = not more
-                buf, pos = buf[pos:] + more, 0
+            yield Unparsable(f"{path}[{index}] (character {dropped + pos})", f"invalid JSON: {e.msg}")
+            index, pos = index + 1, stop
+            continue
+        if end >= len(buf) and not eof:  # a bare value may go on in the next chunk: parse it again
+            if more():
                 continue
-            yield obj
-            index, pos = index + 1, end
-            if pos > _CHUNK:  # drop what was parsed: the buffer stays around one chunk
-                buf, pos = buf[pos:], 0
+        yield obj
+        index, pos = index + 1, end
+        if pos > _CHUNK:  # drop what was parsed: the buffer stays around one chunk
+            dropped += pos
+            buf, pos = buf[pos:], 0
 
 
 def iter_jsonl(path: Path) -> Iterator[Any]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    """One record per line; a line that is not UTF-8 or not JSON is an Unparsable."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield Unparsable(f"{path}:{n}", f"invalid UTF-8 at byte {e.start} of the line")
+                continue
             if not line.strip():
                 continue
             try:
                 yield json.loads(line)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
                 yield Unparsable(f"{path}:{n}", str(e))
 
 

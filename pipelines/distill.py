@@ -22,7 +22,9 @@ actor pool (pipelines/distill_worker.py):
    _manifest.json last.
 
 A run fingerprint (everything that decides the content) is kept in _run.json; a rerun
-into a directory made with other settings is refused rather than mixed.
+into a directory made with other settings is refused rather than mixed. Every check and
+the whole plan come before the first write: a refused run (other settings, a source that
+cannot be read, a lowered limit) changes no file in output_dir.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from dflash.data import (DUPLICATE, FORMAT_VERSION, MANIFEST_NAME, REJECTS_NAME,
                          Reject, normalize_conversation, prompt_turns, raw_record_id, sample_id, shard_files,
                          shard_name, split_of)
 from dflash.regenerate import GenerationParams, chat_prompt_ids
-from dflash.sources import Unparsable, iter_records, resolve_source
+from dflash.sources import SourceError, Unparsable, iter_records, resolve_source
 
 RUN_NAME = "_run.json"
 
@@ -192,8 +194,10 @@ def plan_samples(cfg: DistillConfig, tokenizer) -> Plan:
             messages = normalize_conversation(record)
             sid = sample_id(messages)
         except Reject as e:
-            rid = raw_record_id(record if not isinstance(record, Unparsable) else dataclasses.asdict(record))
-            if cfg.split == "all" or split_of(rid, cfg.heldout_fraction) == cfg.split:
+            unparsable = isinstance(record, Unparsable)
+            rid = raw_record_id(record if not unparsable else dataclasses.asdict(record))
+            # a record that cannot be read has no knowable split: every split's rejects list it
+            if unparsable or cfg.split == "all" or split_of(rid, cfg.heldout_fraction) == cfg.split:
                 plan.rejects.append({"index": index, "sample_id": rid, "reason": e.reason, "detail": e.detail[:200]})
             continue
         if cfg.split != "all" and split_of(sid, cfg.heldout_fraction) != cfg.split:
@@ -241,17 +245,22 @@ def _write_json_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _claim_output(out: Path, fingerprint: str, cfg: DistillConfig) -> None:
+def _check_claim(out: Path, fingerprint: str) -> bool:
+    """May this run write into out? Returns whether _run.json must be (re)written. A run
+    record with no shard beside it (a run that failed before its first shard) is replaced."""
     run_file = out / RUN_NAME
+    shards = shard_files(out)
     if run_file.exists():
         old = json.loads(run_file.read_text()).get("fingerprint")
-        if old != fingerprint:
+        if old == fingerprint:
+            return False
+        if shards:
             raise DistillConfigError(f"output_dir {out} holds a run made with other settings (fingerprint {old}, "
                                      f"this config {fingerprint}): use a new output_dir or delete it")
-    elif shard_files(out):
+        return True
+    if shards:
         raise DistillConfigError(f"output_dir {out} already holds .parquet files not written by this run")
-    else:
-        _write_json_atomic(run_file, json.dumps({"fingerprint": fingerprint, "config": cfg.as_dict()}, indent=1))
+    return True
 
 
 def _shard_done(path: Path, expected_rows: int) -> bool:
@@ -344,15 +353,20 @@ def prepare_run(cfg: DistillConfig) -> PreparedRun:
         compute_dtype=cfg.dtype, chat_template_hash=tmpl,
         generation=dataclasses.asdict(cfg.generation()) | {"seed": cfg.seed, "batch_size": cfg.batch_size})
     fingerprint = run_fingerprint(cfg, meta, src_hash)
-    _claim_output(out, fingerprint, cfg)
-
-    plan = plan_samples(cfg, info.tokenizer)
-    _write_json_atomic(out / REJECTS_NAME, "".join(json.dumps(r) + "\n" for r in plan.rejects))
+    claim = _check_claim(out, fingerprint)
+    try:
+        plan = plan_samples(cfg, info.tokenizer)
+    except (SourceError, UnicodeDecodeError) as e:
+        raise DistillConfigError(f"source: {e}") from e
     shards = [plan.samples[i: i + cfg.shard_size] for i in range(0, len(plan.samples), cfg.shard_size)]
     beyond = sorted({p.name for p in shard_files(out)} - {shard_name(i) for i in range(len(shards))})
     if beyond:
         raise DistillConfigError(f"output_dir {out} holds {len(beyond)} shard(s) beyond this limit ({beyond[0]} ...): "
                                  f"a dataset only grows; raise limit or use a new output_dir")
+    # every check passed: the first writes
+    if claim:
+        _write_json_atomic(out / RUN_NAME, json.dumps({"fingerprint": fingerprint, "config": cfg.as_dict()}, indent=1))
+    _write_json_atomic(out / REJECTS_NAME, "".join(json.dumps(r) + "\n" for r in plan.rejects))
     return PreparedRun(out, meta, fingerprint, src_hash, plan, shards)
 
 

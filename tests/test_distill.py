@@ -433,3 +433,68 @@ def test_local_run_of_a_plan_writes_the_shards_ray_writes(distilled, source, tmp
         json.dump({"format": 99}, f)
     with pytest.raises(ValueError, match="plan format 99"):
         run_plan(tmp_path / "bad.json.gz", tmp_path / "gen2", device="cpu", seconds=1, threads=1)
+
+
+# --- partly broken sources and refused runs (issue 29): no Ray needed -------------------------------
+
+def _tokenizer():
+    from dflash.target import inspect_target
+
+    return inspect_target("default").tokenizer
+
+
+def test_a_broken_json_array_element_is_rejected_alone(tmp_path):
+    """One broken element mid-way costs exactly that element (a reject naming its index),
+    never the records after it; a last element cut off by the end of the file is one reject."""
+    parts = [json.dumps(r) for r in GOOD]
+    parts.insert(3, '{"messages": [{"role": "user", "content": "broken" oops}]}')
+    path = tmp_path / "src.json"
+    path.write_text("[\n" + ",\n".join(parts) + ",\n" + json.dumps(GOOD[1])[:-5])  # ... and a cut-off tail
+    plan = plan_samples(make_cfg(path, tmp_path / "out"), _tokenizer())
+    distinct = {sample_id(normalize_conversation(r)) for r in GOOD}
+    assert {s["sample_id"] for s in plan.samples} == distinct and len(plan.samples) == len(GOOD)
+    malformed = [r for r in plan.rejects if r["reason"] == MALFORMED]
+    assert len(malformed) == 2 and "src.json[3]" in malformed[0]["detail"], plan.rejects
+    assert "truncated" in malformed[1]["detail"] and f"src.json[{len(GOOD) + 1}]" in malformed[1]["detail"]
+    # a malformed record has no knowable split: the train split's rejects list it too
+    train = plan_samples(make_cfg(path, tmp_path / "out", split="train"), _tokenizer())
+    assert sum(r["reason"] == MALFORMED for r in train.rejects) == 2
+
+
+def test_invalid_utf8_is_a_reject_in_jsonl_and_refuses_a_json_file_before_any_write(tmp_path):
+    from pipelines.distill import prepare_run
+
+    lines = [json.dumps(r).encode() for r in GOOD[:4]]
+    lines.insert(2, b'{"prompt": "caf\xe9 au lait"}')  # latin-1, not UTF-8
+    jsonl = tmp_path / "src.jsonl"
+    jsonl.write_bytes(b"\n".join(lines) + b"\n")
+    plan = plan_samples(make_cfg(jsonl, tmp_path / "o1"), _tokenizer())
+    assert len(plan.samples) == 4 and [r["detail"] for r in plan.rejects] == [f"{jsonl}:3: invalid UTF-8 at byte 15 "
+                                                                               "of the line"]
+    bad = tmp_path / "src.json"
+    bad.write_bytes(b"[" + b", ".join(lines) + b"]")
+    out = tmp_path / "o2"
+    with pytest.raises(DistillConfigError, match=r"src.json: invalid UTF-8 at byte \d+"):
+        prepare_run(make_cfg(bad, out))
+    assert sorted(p.name for p in out.iterdir()) == []  # no run record, no rejects: nothing to refuse later
+    bad.write_bytes(b"[" + b", ".join(lines[:2] + lines[3:]) + b"]")  # the corrected source is welcome
+    run = prepare_run(make_cfg(bad, out))
+    assert len(run.plan.samples) == 4 and (out / "_run.json").exists()
+
+
+def test_a_refused_rerun_changes_no_file(tmp_path, source):
+    """A lowered limit (or other settings) is refused before _rejects.jsonl or _run.json is touched."""
+    from dflash.data import shard_name
+    from pipelines.distill import prepare_run
+
+    out = tmp_path / "out"
+    run = prepare_run(make_cfg(source, out, limit=6))
+    for i in range(len(run.shards)):  # stand-ins for the shards a finished run leaves
+        (out / shard_name(i)).write_bytes(b"")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert len(before[REJECTS_NAME].splitlines()) == len(run.plan.rejects) > 0
+    with pytest.raises(DistillConfigError, match="beyond this limit"):
+        prepare_run(make_cfg(source, out, limit=2))
+    with pytest.raises(DistillConfigError, match="other settings"):
+        prepare_run(make_cfg(source, out, limit=6, seed=1))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
