@@ -26,9 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash.masks import causal_attention_mask
-
-FP16_MAX = 65504.0
+from dflash.training import right_pad, round_to_storage, target_features
 
 
 @dataclass(frozen=True)
@@ -166,22 +164,9 @@ def regenerate(
     return results
 
 
-@torch.no_grad()
 def tapped_hidden(target, sequences: list[list[int]], layer_ids: tuple[int, ...]) -> list[np.ndarray]:
-    """One right-padded forward over whole sequences -> per sequence (n_i, n_taps*D) float16.
-
-    Values are clamped to the fp16 range (SmolLM2's position-0 activations reach ~2.5e4,
-    below the 6.55e4 limit; the clamp only guards other targets against inf).
-    """
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros((len(sequences), width), dtype=torch.long)  # (b, T), right padded
-    valid = torch.zeros((len(sequences), width), dtype=torch.bool)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(s)
-        valid[i, : len(s)] = True
-    pos = torch.arange(width)[None].expand(len(sequences), -1)  # (b, T)
-    dev = target.device
-    taps = target.tapped_features(ids.to(dev), pos.to(dev), causal_attention_mask(valid).to(dev),
-                                  tuple(layer_ids))
-    taps = taps.float().clamp_(-FP16_MAX, FP16_MAX).to(torch.float16).cpu()  # (b, T, n_taps*D)
+    """One right-padded forward over whole sequences -> per sequence (n_i, n_taps*D) features
+    as they are stored (dflash.training.round_to_storage: float16, clamped to its range)."""
+    ids, valid = right_pad(sequences)  # (b, T)
+    taps = round_to_storage(target_features(target, ids, valid, layer_ids)).cpu()  # (b, T, n_taps*D)
     return [taps[i, : len(s)].numpy() for i, s in enumerate(sequences)]

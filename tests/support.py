@@ -7,9 +7,9 @@ import torch
 from dflash.config import DrafterConfig
 from dflash.decoding import SamplingParams, SpeculativeDecoder
 from dflash.drafter import DFlashDrafter
-from dflash.masks import causal_attention_mask
 from dflash.objective import dflash_loss, implied_tau
 from dflash.target import Target
+from dflash.training import target_features
 
 GREEDY_TOKENS = 32  # new tokens of the greedy reference outputs (the `reference` fixture)
 
@@ -50,10 +50,8 @@ def padded_batch(prompts: list[list[int]], outputs: list[list[int]]):
     return ids, loss_mask, valid
 
 
-def target_taps(target: Target, ids, valid, layer_ids):
-    t = ids.shape[1]
-    return target.tapped_features(ids, torch.arange(t).expand_as(ids), causal_attention_mask(valid),
-                                  tuple(layer_ids))
+# the trainer's features of a padded batch (raw, not rounded), under the name test_draft_vocab uses
+target_taps = target_features
 
 
 def train_memorising_drafter(target: Target, prompts: list[list[int]], max_new_tokens=40, block_size=8,
@@ -68,7 +66,7 @@ def train_memorising_drafter(target: Target, prompts: list[list[int]], max_new_t
     drafter = DFlashDrafter(cfg)
     outputs = [r.output_ids for r in SpeculativeDecoder(target).generate(prompts, SamplingParams(max_new_tokens))]
     ids, loss_mask, valid = padded_batch(prompts, outputs)
-    taps = target_taps(target, ids, valid, cfg.target_layer_ids)
+    taps = target_features(target, ids, valid, cfg.target_layer_ids)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     history = []

@@ -5,11 +5,12 @@ import torch
 
 from dflash.decoding import SamplingParams, SpeculativeDecoder
 from dflash.objective import dflash_loss, drafter_training_hidden, implied_tau
-from support import padded_batch, target_taps
+from dflash.training import target_features
+from support import padded_batch
 
 
 def _training_logits(target, drafter, ids, valid, anchors):
-    taps = target_taps(target, ids, valid, drafter.config.target_layer_ids)
+    taps = target_features(target, ids, valid, drafter.config.target_layer_ids)
     with torch.no_grad():
         hidden = drafter_training_hidden(drafter, target.embed, ids, taps, valid, anchors)
     return target.lm_head(hidden[:, :, 1:]).float()  # (b, A, B-1, V)
@@ -69,7 +70,7 @@ def test_learning_reaches_high_accuracy_and_tau(target_fp32, trained):
 def test_loss_weights_and_accuracy_bookkeeping(target_fp32, trained):
     drafter, _, prompts, outputs = trained
     ids, loss_mask, valid = padded_batch(prompts[:2], outputs[:2])
-    taps = target_taps(target_fp32, ids, valid, drafter.config.target_layer_ids)
+    taps = target_features(target_fp32, ids, valid, drafter.config.target_layer_ids)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         out = dflash_loss(drafter, target_fp32.embed, target_fp32.lm_head, ids, loss_mask, taps, valid,
@@ -91,7 +92,7 @@ def test_soft_labels_one_hot_equal_hard_labels_and_renormalise(target_fp32, trai
 
     drafter, _, prompts, outputs = trained
     ids, loss_mask, valid = padded_batch(prompts[:2], outputs[:2])
-    taps = target_taps(target_fp32, ids, valid, drafter.config.target_layer_ids)
+    taps = target_features(target_fp32, ids, valid, drafter.config.target_layer_ids)
     b, t = ids.shape
     anchors = (torch.tensor([[len(prompts[0]) + 1, len(prompts[0]) + 6], [len(prompts[1]) + 2, len(prompts[1]) + 5]]),
                torch.ones(2, 2, dtype=torch.bool))
