@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
-from dflash.data import DataMismatchError, DatasetMetadata, FEATURE_DTYPE, check_dataset, hidden_arrays, shard_files
+from dflash.data import DataMismatchError, DatasetMetadata, check_dataset, shard_files
+from dflash.training import collate, most_frequent_tokens, read_rows, table_rows, token_counts
 
 TOKEN_COLUMNS = ["input_ids", "loss_mask", "num_tokens"]
 
@@ -63,19 +62,18 @@ def inspect_training_data(directory: str, *, offline: bool, target_id: str, weig
 
 def response_token_counts(info: DataInfo, vocab_size: int) -> np.ndarray:
     """(V,) how often each token id occurs among the response (loss) tokens of the data."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for f in info.files:
-        t = pq.read_table(f, columns=["input_ids", "loss_mask"])
-        ids = t.column("input_ids").combine_chunks().flatten().to_numpy()
-        mask = t.column("loss_mask").combine_chunks().flatten().to_numpy().astype(bool)
-        counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
-    return counts
+    ids, masks, _ = read_rows(info.files)
+    return token_counts(ids, masks, vocab_size)
 
 
-def most_frequent_tokens(counts: np.ndarray, k: int) -> tuple[int, ...]:
-    """The k most frequent ids (ties: the lower id first), sorted by id."""
-    order = np.argsort(-counts, kind="stable")[:k]
-    return tuple(sorted(int(i) for i in order))
+def draft_vocabulary(info: DataInfo, vocab_size: int, k: int) -> tuple[tuple[int, ...], str]:
+    """The k most frequent response tokens of the data (the drafter's draft vocabulary),
+    and a line saying how much of the data they cover."""
+    counts = response_token_counts(info, vocab_size)
+    vocab = most_frequent_tokens(counts, k)
+    covered = counts[list(vocab)].sum() / max(1, counts.sum())
+    return vocab, (f"the {k} most frequent response tokens cover {covered:.1%} of the data's "
+                   f"{int(counts.sum())} response tokens")
 
 
 def read_dataset(info: DataInfo, offline: bool):
@@ -86,52 +84,8 @@ def read_dataset(info: DataInfo, offline: bool):
     return ray.data.read_parquet(list(info.files)).select_columns(columns)
 
 
-@dataclass
-class MicroBatch:
-    """Right-padded tensors of one micro-batch (b rows, T = longest row)."""
-
-    input_ids: torch.Tensor  # (b, T) long
-    loss_mask: torch.Tensor  # (b, T) bool
-    valid: torch.Tensor  # (b, T) bool, False on padding
-    taps: torch.Tensor | None  # (b, T, n_taps*D) float16 features, offline only
-
-    @property
-    def tokens(self) -> int:
-        return int(self.valid.sum())
-
-    @property
-    def pad_fraction(self) -> float:
-        return 1.0 - self.tokens / self.valid.numel()
-
-
-def collate(ids: list[np.ndarray], masks: list[np.ndarray], hidden: list[np.ndarray] | None) -> MicroBatch:
-    t = max(len(x) for x in ids)
-    b = len(ids)
-    input_ids = torch.zeros(b, t, dtype=torch.long)
-    loss_mask = torch.zeros(b, t, dtype=torch.bool)
-    valid = torch.zeros(b, t, dtype=torch.bool)
-    taps = None
-    if hidden is not None:
-        taps = torch.zeros(b, t, hidden[0].shape[1], dtype=torch.float16)
-    for i in range(b):
-        n = len(ids[i])
-        input_ids[i, :n] = torch.from_numpy(ids[i].astype(np.int64))
-        loss_mask[i, :n] = torch.from_numpy(masks[i].astype(bool))
-        valid[i, :n] = True
-        if taps is not None:
-            taps[i, :n] = torch.from_numpy(np.ascontiguousarray(hidden[i]))
-    return MicroBatch(input_ids, loss_mask, valid, taps)
-
-
-def _rows(table: pa.Table, max_seq_len: int, offline: bool):
-    ids = [np.asarray(x, dtype=np.int32)[:max_seq_len] for x in table.column("input_ids").to_numpy(zero_copy_only=False)]
-    masks = [np.asarray(x, dtype=np.uint8)[:max_seq_len] for x in table.column("loss_mask").to_numpy(zero_copy_only=False)]
-    hidden = [h[:max_seq_len] for h in hidden_arrays(table)] if offline else None
-    return ids, masks, hidden
-
-
 def micro_batches(shard, *, micro_batch_size: int, bucket_batches: int, max_seq_len: int, offline: bool, seed: int):
-    """Yield MicroBatch objects from a Ray DataIterator, bucketed by length (see module doc).
+    """Yield dflash.training.MicroBatch objects from a Ray DataIterator, bucketed by length (see module doc).
 
     Deterministic for a given shard order and seed: the same data and seed give the same
     micro-batches in both modes.
@@ -139,15 +93,9 @@ def micro_batches(shard, *, micro_batch_size: int, bucket_batches: int, max_seq_
     rng = random.Random(seed)
     buffer_rows = micro_batch_size * bucket_batches
     for table in shard.iter_batches(batch_size=buffer_rows, batch_format="pyarrow", prefetch_batches=1):
-        ids, masks, hidden = _rows(table, max_seq_len, offline)
+        ids, masks, hidden = table_rows(table, max_seq_len, offline)
         order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
         groups = [order[i: i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
         rng.shuffle(groups)
         for g in groups:
             yield collate([ids[i] for i in g], [masks[i] for i in g], [hidden[i] for i in g] if offline else None)
-
-
-def round_to_storage(taps: torch.Tensor) -> torch.Tensor:
-    """Online features rounded as offline ones are stored (FEATURE_DTYPE), so the two
-    modes train on the same numbers."""
-    return taps.to(getattr(torch, FEATURE_DTYPE))

@@ -21,9 +21,10 @@ import torch
 from conftest import _RAY_TMP, start_local_ray
 from dflash.data import DataMismatchError, DatasetMetadata, build_table, sample_id, write_shard
 from dflash.decoding import SamplingParams, SpeculativeDecoder
-from jobs.config import ConfigError, load_config
-from pipelines.train import TrainConfig, check_cpu_budget, export_run, plan_run, run_train, warmup_cosine
-from support import CHAT_PROMPTS, chat_prompt_ids, target_taps
+from dflash.config_file import ConfigError, load_config
+from dflash.training import round_to_storage, target_features, warmup_cosine
+from pipelines.train import TrainConfig, check_cpu_budget, run_train
+from support import CHAT_PROMPTS, chat_prompt_ids
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = (1, 14, 27)
@@ -59,8 +60,8 @@ def write_dataset(out: Path, target, sequences, meta: DatasetMetadata, rows=slic
         hidden = []
         for s in seqs:
             t = torch.tensor([s])
-            taps = target_taps(target, t, torch.ones_like(t, dtype=torch.bool), meta.target_layer_ids)[0]
-            hidden.append(taps.numpy().astype(np.float16))
+            taps = target_features(target, t, torch.ones_like(t, dtype=torch.bool), meta.target_layer_ids)[0]
+            hidden.append(round_to_storage(taps).numpy())
     out.mkdir(parents=True, exist_ok=True)
     per = -(-len(seqs) // shards)
     for i in range(0, len(seqs), per):
@@ -100,21 +101,13 @@ def test_shipped_configs_load_and_unknown_keys_are_errors():
         load_config(TrainConfig, REPO / "jobs/configs/distill.yaml")
 
 
-def test_warmup_cosine_schedule():
-    f = warmup_cosine(100, 0.04)  # 4 warmup steps, then cosine to 0 at step 100
-    assert [round(f(s), 4) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
-    assert f(52) == pytest.approx(0.5)
-    assert f(100) == pytest.approx(0.0, abs=1e-12)
-    assert warmup_cosine(10, 0.0)(0) == 1.0
-
-
 def test_tap_scaling_trains_on_standardised_taps_and_folds_into_fc(target_fp32, sequences, data_dir):
     """fc'(taps * s) during training == fc(taps) after folding, so the exported drafter reads
     raw taps in the public layout; s makes every tap feature unit-RMS over the data."""
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter
     from dflash.objective import dflash_loss
-    from pipelines.train import DrafterObjective, fold_tap_scale, tap_rms_scale
+    from dflash.training import DrafterObjective, fold_tap_scale, tap_rms_scale
     from pipelines.train_data import inspect_training_data
     from support import padded_batch
 
@@ -124,7 +117,7 @@ def test_tap_scaling_trains_on_standardised_taps_and_folds_into_fc(target_fp32, 
     scale = torch.tensor(tap_rms_scale(info.files))
     prompts, outputs, _ = sequences
     ids, loss_mask, valid = padded_batch(prompts, outputs)
-    taps = target_taps(target_fp32, ids, valid, LAYERS)
+    taps = target_features(target_fp32, ids, valid, LAYERS)
     body = torch.cat([taps[i, 1: int(valid[i].sum())] for i in range(len(prompts))])
     rms = (body.half().float() * scale).pow(2).mean(0).sqrt()
     assert rms.min() > 0.99 and rms.max() < 1.01  # unit RMS per feature (the data's fp16 taps)
@@ -134,7 +127,7 @@ def test_tap_scaling_trains_on_standardised_taps_and_folds_into_fc(target_fp32, 
                                    block_size=8)
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg)
-    objective = DrafterObjective(drafter, target_fp32, TrainConfig(num_anchors=8), tuple(scale.tolist()))
+    objective = DrafterObjective(drafter, target_fp32, num_anchors=8, tap_scale=tuple(scale.tolist()))
     g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
     scaled = objective(ids, loss_mask, taps, valid, g())
     folded = fold_tap_scale(drafter, scale)
