@@ -55,19 +55,18 @@ BASE = {"lr": 1e-3, "init": "random", "tap_scaling": "none", "num_anchors": 64, 
 SOFT_TOP_K = 32
 
 
-def load_rows(files, max_rows=None):
-    import pyarrow.parquet as pq
+def head_rows(rows, n):
+    """The first n of (ids, masks, hidden) rows, as dflash.training.read_rows gives them."""
+    return tuple(x[:n] for x in rows)
 
-    from dflash.data import hidden_arrays
 
-    rows = []
-    for f in files:
-        t = pq.read_table(f)
-        for ids, mask, h in zip(t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist(), hidden_arrays(t)):
-            rows.append((torch.tensor(ids), torch.tensor(mask, dtype=torch.bool), torch.from_numpy(h.copy())))
-            if max_rows and len(rows) >= max_rows:
-                return rows
-    return rows
+def batch(rows, idx=None):
+    """The padded MicroBatch of rows idx (all rows if None)."""
+    from dflash.training import collate
+
+    ids, masks, hidden = rows
+    idx = range(len(ids)) if idx is None else idx
+    return collate([ids[i] for i in idx], [masks[i] for i in idx], [hidden[i] for i in idx])
 
 
 @torch.no_grad()
@@ -77,27 +76,15 @@ def target_top_k(target, rows, k=SOFT_TOP_K):
     from dflash.masks import causal_attention_mask
 
     out = []
-    for ids, _, _ in rows:
+    for ids in rows[0]:
         n = len(ids)
-        logits = target.forward(ids[None], torch.arange(n)[None], causal_attention_mask(torch.ones(1, n, dtype=torch.bool)),
+        logits = target.forward(torch.as_tensor(ids, dtype=torch.long)[None], torch.arange(n)[None], causal_attention_mask(torch.ones(1, n, dtype=torch.bool)),
                                 None).logits[0].float()  # (n, V): row p predicts token p+1
         top = torch.softmax(logits, -1).topk(k, -1)
         ids_k = torch.cat([torch.zeros(1, k, dtype=torch.long), top.indices[:-1]])
         probs_k = torch.cat([torch.zeros(1, k), top.values[:-1]]).to(torch.float16)
         out.append((ids_k, probs_k))
     return out
-
-
-def row_token_counts(rows, vocab_size):
-    """(V,) how often each token id occurs among the response tokens of these in-memory rows
-    (pipelines.train_data.response_token_counts counts whole shard files): the draft
-    vocabulary comes from the rows a variant trains on, never from held-out ones."""
-    import numpy as np
-
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for ids, mask, _ in rows:
-        counts += np.bincount(ids[mask].numpy(), minlength=vocab_size)[:vocab_size]
-    return counts
 
 
 def soft_batch(soft, idx):
@@ -116,24 +103,12 @@ def select_taps(taps, subset, d):
     return torch.cat([taps[..., i * d: (i + 1) * d] for i in subset], -1)
 
 
-def batch_of(rows):
-    t = max(len(r[0]) for r in rows)
-    ids = torch.zeros(len(rows), t, dtype=torch.long)
-    mask = torch.zeros(len(rows), t, dtype=torch.bool)
-    valid = torch.zeros(len(rows), t, dtype=torch.bool)
-    taps = torch.zeros(len(rows), t, rows[0][2].shape[1], dtype=torch.float16)
-    for i, (a, m, h) in enumerate(rows):
-        ids[i, : len(a)], mask[i, : len(a)], valid[i, : len(a)], taps[i, : len(a)] = a, m, True, h
-    return ids, mask, valid, taps
-
-
 def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_counts, steps, eval_every, micro, seed,
                 soft=None):
     from dflash.config import DrafterConfig
-    from dflash.drafter import DFlashDrafter, OutputHead
-    from dflash.objective import dflash_loss, implied_tau
-    from pipelines.train import init_from_target, warmup_cosine
-    from pipelines.train_data import most_frequent_tokens
+    from dflash.drafter import OutputHead
+    from dflash.objective import dflash_loss
+    from dflash.training import fixed_anchors, heldout_metrics, most_frequent_tokens, new_drafter, warmup_cosine
 
     torch.manual_seed(seed)
     subset = recipe["taps"]
@@ -141,14 +116,8 @@ def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_co
         layer_ids = [layer_ids[i] for i in subset]
     cfg = DrafterConfig.for_target(target, recipe["num_draft_layers"],
                                    recipe["block_size"], list(layer_ids), draft_vocab_size=recipe["draft_vocab_size"])
-    drafter = DFlashDrafter(cfg)
-    if recipe["init"] == "zero_output":
-        drafter.reset_parameters(zero_output=True)
-    elif recipe["init"] == "target":
-        init_from_target(drafter, target)
-    if cfg.draft_vocab_size:
-        drafter.set_draft_vocab(most_frequent_tokens(vocab_counts, cfg.draft_vocab_size))
-    drafter = drafter.to(target.dtype)
+    vocab = most_frequent_tokens(vocab_counts, cfg.draft_vocab_size) if cfg.draft_vocab_size else ()
+    drafter = new_drafter(cfg, target, recipe["init"], vocab).to(target.dtype)
     scale = None
     if recipe["tap_scaling"] == "rms":
         scale = select_taps(torch.tensor(recipe["_tap_scale"]), subset, target.config.hidden_size)
@@ -156,8 +125,8 @@ def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_co
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, recipe["warmup"] / steps))
     head = OutputHead(target.model.lm_head.weight, drafter.draft_vocab)
     g = torch.Generator().manual_seed(seed)
-    eval_batch = batch_of(eval_rows)
-    eval_anchors = None
+    eval_batch = batch(eval_rows)
+    eval_anchors = fixed_anchors(eval_batch)
     history, t0 = [], time.perf_counter()
 
     def scaled(taps):
@@ -165,35 +134,24 @@ def run_variant(name, recipe, target, train_rows, eval_rows, layer_ids, vocab_co
         return taps.to(target.dtype) if scale is None else (taps.float() * scale).to(target.dtype)
 
     def evaluate(step):
-        nonlocal eval_anchors
-        from dflash.masks import sample_anchors
-
-        ids, mask, valid, taps = eval_batch
-        if eval_anchors is None:
-            eval_anchors = sample_anchors(mask & valid, 64, torch.Generator().manual_seed(1234))
-        drafter.eval()
-        with torch.no_grad():
-            out = dflash_loss(drafter, target.embed, head.logits, ids, mask, scaled(taps), valid,
-                              anchors=eval_anchors, label_index=head.index)
-        drafter.train()
-        acc = out.accuracy.tolist()
-        row = {"step": step, "eval_loss": round(float(out.loss), 4), "eval_accuracy": [round(a, 4) for a in acc],
-               "eval_implied_tau": round(implied_tau(acc), 4), "seconds": round(time.perf_counter() - t0, 1)}
+        row = ({"step": step} | heldout_metrics(drafter, target, eval_batch, scaled(eval_batch.taps), eval_anchors)
+               | {"seconds": round(time.perf_counter() - t0, 1)})
         history.append(row)
         print(f"  [{name}] step {step}: eval loss {row['eval_loss']:.3f} implied tau {row['eval_implied_tau']:.3f} "
-              f"acc1 {acc[0]:.3f} ({row['seconds']:.0f} s)", flush=True)
+              f"acc1 {row['eval_accuracy'][0]:.3f} ({row['seconds']:.0f} s)", flush=True)
 
     drafter.train()
-    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    num_rows = len(train_rows[0])
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
     pos = 0
     for step in range(1, steps + 1):
         if pos + micro > len(order):
-            order, pos = torch.randperm(len(train_rows), generator=g).tolist(), 0
+            order, pos = torch.randperm(num_rows, generator=g).tolist(), 0
         idx = order[pos: pos + micro]
-        ids, mask, valid, taps = batch_of([train_rows[i] for i in idx])
+        mb = batch(train_rows, idx)
         pos += micro
         w = recipe["soft_weight"]
-        out = dflash_loss(drafter, target.embed, head.logits, ids, mask, scaled(taps), valid,
+        out = dflash_loss(drafter, target.embed, head.logits, mb.input_ids, mb.loss_mask, scaled(mb.taps), mb.valid,
                           num_anchors=recipe["num_anchors"], generator=g, label_index=head.index,
                           soft_labels=soft_batch(soft, idx) if w else None, soft_weight=w)
         opt.zero_grad()
@@ -226,7 +184,7 @@ def main() -> None:
 
     from dflash.data import read_dataset_metadata, shard_files
     from dflash.target import load_target
-    from pipelines.train import tap_rms_scale
+    from dflash.training import read_rows, tap_rms_scale, token_counts
 
     files = shard_files(args.data)
     if len(files) < 2:
@@ -234,11 +192,11 @@ def main() -> None:
     meta = read_dataset_metadata(args.data)
     target = load_target("default", dtype=args.dtype)
     sizes = [int(n) for n in args.train_rows.split(",")]
-    train_rows = load_rows(files[:-1], None if 0 in sizes else max(sizes))
-    eval_rows = load_rows(files[-1:], args.eval_rows)
-    sizes = [n or len(train_rows) for n in sizes]
+    train_rows = read_rows(files[:-1], with_hidden=True, max_rows=None if 0 in sizes else max(sizes))
+    eval_rows = read_rows(files[-1:], with_hidden=True, max_rows=args.eval_rows)
+    sizes = [n or len(train_rows[0]) for n in sizes]
     tap_scale = tap_rms_scale(files[:-1])
-    print(f"{len(train_rows)} training rows loaded, {len(eval_rows)} held-out rows, "
+    print(f"{len(train_rows[0])} training rows loaded, {len(eval_rows[0])} held-out rows, "
           f"taps {list(meta.target_layer_ids)}, {args.dtype}, {args.threads} thread(s)", flush=True)
     names = args.variants.split(",")
     soft = None
@@ -248,8 +206,8 @@ def main() -> None:
         print(f"target top-{SOFT_TOP_K} distributions of the training rows: {time.perf_counter() - t0:.0f} s", flush=True)
     results = {}
     for n in sizes:
-        rows = train_rows[:n]
-        counts = row_token_counts(rows, target.vocab_size)
+        rows = head_rows(train_rows, n)
+        counts = token_counts(rows[0], rows[1], target.vocab_size)  # never the held-out rows
         print(f"{n} training rows: {int(counts.sum())} response tokens", flush=True)
         for name in names:
             key = name if len(sizes) == 1 else f"{name}@{n}"

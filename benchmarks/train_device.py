@@ -45,67 +45,47 @@ def main() -> None:
                     "rows and train nothing")
     args = ap.parse_args()
 
-    import pyarrow.parquet as pq
-
     from dflash.checkpoint import load_drafter, save_drafter
     from dflash.config import DrafterConfig, default_target_layer_ids
-    from dflash.data import read_dataset_metadata, shard_files
-    from dflash.drafter import DFlashDrafter, OutputHead
-    from dflash.masks import sample_anchors
-    from dflash.objective import dflash_loss, implied_tau
+    from dflash.data import shard_files
+    from dflash.drafter import OutputHead
+    from dflash.objective import dflash_loss
     from dflash.target import load_target
-    from pipelines.train import init_from_target, online_taps, round_to_storage, warmup_cosine
-    from pipelines.train_data import DataInfo, _rows, collate, most_frequent_tokens, response_token_counts
+    from dflash.training import (collate, fixed_anchors, heldout_metrics, most_frequent_tokens, new_drafter,
+                                 read_rows, round_to_storage, target_features, token_counts, warmup_cosine)
 
     t_start = time.perf_counter()
     dev = torch.device(args.device)
-    files = shard_files(args.data)
-    meta = read_dataset_metadata(args.data)
     target = load_target("default", device=args.device, dtype="bf16")
-    rows = []
-    for f in files:
-        ids, masks, _ = _rows(pq.read_table(f, columns=["input_ids", "loss_mask"]), args.max_seq_len, offline=False)
-        rows += list(zip(ids, masks))
+    ids, masks, _ = read_rows(shard_files(args.data))  # whole rows: the draft vocabulary counts them all
+    rows = [(i[: args.max_seq_len], m[: args.max_seq_len]) for i, m in zip(ids, masks)]
     if len(rows) < 2 * args.heldout_rows:
         raise SystemExit(f"{args.data}: {len(rows)} rows; need at least {2 * args.heldout_rows} "
                          f"(the last --heldout-rows {args.heldout_rows} are held out)")
     held, train = rows[-args.heldout_rows:], rows[: -args.heldout_rows]
     layer_ids = default_target_layer_ids(target.num_layers, 5)
-    hb = collate([r[0] for r in held], [r[1] for r in held], None)
-    held_taps = round_to_storage(online_taps(target, hb, tuple(layer_ids)))
-    held_anchors = sample_anchors((hb.loss_mask & hb.valid), 64, torch.Generator().manual_seed(1234))
 
-    def heldout_metrics(drafter, head) -> dict:
+    def features(mb):
+        return round_to_storage(target_features(target, mb.input_ids, mb.valid, layer_ids))
+
+    hb = collate([r[0] for r in held], [r[1] for r in held], None)
+    held_taps, held_anchors = features(hb), fixed_anchors(hb)
+
+    def heldout(drafter) -> dict:
         """Loss and per-position accuracy on the held-out rows at fixed anchors (teacher-forced)."""
-        was_training = drafter.training
-        drafter.eval()
-        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
-            out = dflash_loss(drafter, target.embed, head.logits, hb.input_ids.to(dev), hb.loss_mask.to(dev),
-                              held_taps.to(dev), hb.valid.to(dev), anchors=tuple(a.to(dev) for a in held_anchors),
-                              label_index=head.index)
-        drafter.train(was_training)
-        acc = [round(a, 4) for a in out.accuracy.tolist()]
-        return {"eval_loss": round(out.loss.item(), 4), "eval_accuracy": acc, "eval_implied_tau": round(implied_tau(acc), 4)}
+        return heldout_metrics(drafter, target, hb, held_taps, held_anchors, autocast=torch.bfloat16)
 
     if args.eval_only:
         for d in args.eval_only.split(","):
             drafter = load_drafter(d, target, device=args.device).float()
             if list(drafter.config.target_layer_ids) != list(layer_ids):
                 raise SystemExit(f"{d}: taps {drafter.config.target_layer_ids}, this evaluation computes {layer_ids}")
-            print(json.dumps({"drafter": d} | heldout_metrics(drafter, OutputHead(target.model.lm_head.weight,
-                                                                                    drafter.draft_vocab))))
+            print(json.dumps({"drafter": d} | heldout(drafter)))
         return
-    counts = response_token_counts(DataInfo(tuple(map(str, files)), len(rows), meta), target.vocab_size)
+    counts = token_counts(ids, masks, target.vocab_size)
     torch.manual_seed(args.seed)
-    cfg = DrafterConfig.for_target(target, args.layers, args.block_size,
-                                   layer_ids, draft_vocab_size=args.vocab)
-    drafter = DFlashDrafter(cfg)
-    if args.init == "target":
-        init_from_target(drafter, target)
-    elif args.init == "zero_output":
-        drafter.reset_parameters(zero_output=True)
-    drafter.set_draft_vocab(most_frequent_tokens(counts, args.vocab))
-    drafter = drafter.to(dev)
+    cfg = DrafterConfig.for_target(target, args.layers, args.block_size, layer_ids, draft_vocab_size=args.vocab)
+    drafter = new_drafter(cfg, target, args.init, most_frequent_tokens(counts, args.vocab)).to(dev)
     head = OutputHead(target.model.lm_head.weight, drafter.draft_vocab)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0)
     warm = max(1, args.probe_steps)
@@ -120,7 +100,7 @@ def main() -> None:
     log = open(out_dir / "train_log.jsonl", "w")
 
     def evaluate(step, seconds):
-        row = {"step": step} | heldout_metrics(drafter, head) | {"seconds": round(seconds, 1), "total_steps": total}
+        row = {"step": step} | heldout(drafter) | {"seconds": round(seconds, 1), "total_steps": total}
         acc = row["eval_accuracy"]
         log.write(json.dumps(row) + "\n")
         log.flush()
@@ -137,7 +117,7 @@ def main() -> None:
         rng.shuffle(groups)
         for g in groups:
             mb = collate([train[i][0] for i in g], [train[i][1] for i in g], None)
-            taps = round_to_storage(online_taps(target, mb, tuple(layer_ids)))
+            taps = features(mb)
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 out = dflash_loss(drafter, target.embed, head.logits, mb.input_ids.to(dev), mb.loss_mask.to(dev),
                                   taps, mb.valid.to(dev), num_anchors=args.anchors, generator=gen,
