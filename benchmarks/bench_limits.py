@@ -31,12 +31,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash.bench import run_bench  # noqa: E402
-from dflash.checkpoint import load_drafter, resolve_drafter  # noqa: E402
-from dflash.prompts import load_prompt_set  # noqa: E402
-from dflash.target import load_target  # noqa: E402
+from dflash.bench import run_bench
+from dflash.pair import DecodeConfig, load_pair
+from dflash.prompts import load_prompt_set
 
 
 def uniform_rate_for(tau: float, block_size: int) -> float | None:
@@ -98,18 +95,17 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    target = load_target("default", device=args.device, dtype=args.dtype)
-    path = resolve_drafter(args.drafter, target.target_id)
-    if path is None or not Path(path).exists():
-        sys.exit(f"no drafter at {args.drafter!r} for {target.target_id}")
-    drafter = load_drafter(path, target=target, device=target.device, dtype=args.dtype)
+    pair = load_pair(DecodeConfig(drafter=args.drafter, dtype=args.dtype, device=args.device,
+                                  block_size=args.block_size or 0, lookup=False, corpus=None))
+    target, path = pair.target, pair.drafter_source
+    if path is None:
+        sys.exit(f"no drafter {args.drafter!r} for {target.target_id}")
 
     rows = []
     for name in args.datasets.split(","):
         prompts = [target.chat_ids(c) for c in load_prompt_set(name.strip())[: args.limit]]
         for temp in (float(t) for t in args.temperatures.split(",")):
-            r = run_bench(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=temp,
-                          block_size=args.block_size)
+            r = run_bench(pair.decoder, prompts, max_new_tokens=args.max_new_tokens, temperature=temp)
             rows.append({"dataset": name, "temperature": temp, "prompts": len(prompts), "lossless": r["lossless"],
                          **limits(r)})
             print(f"[limits] {name} T={temp:g}: tau {r['tau']:.2f}, {r['speedup']:.2f}x", file=sys.stderr, flush=True)

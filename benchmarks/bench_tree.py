@@ -19,13 +19,10 @@ import argparse
 import torch
 
 from dflash.bench import BF16_MARGIN, emitted_token_margins
-from dflash.checkpoint import load_drafter, reference_drafter_dir
-from dflash.corpus import CorpusIndex
 from dflash.decoding import SpeculativeDecoder
-from dflash.lookup import LookupConfig
+from dflash.pair import DecodeConfig, load_pair
 from dflash.prompts import load_prompt_set
 from dflash.sampling import SamplingParams
-from dflash.target import load_target
 from dflash.tree import TreeConfig
 
 
@@ -41,16 +38,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    target = load_target("default", dtype=args.dtype)
-    path = reference_drafter_dir(target.target_id)
-    drafter = load_drafter(path, target, dtype=args.dtype)
-    corpus = CorpusIndex.load(path / "corpus" / "corpus.safetensors", target.vocab_size)
-    decoders = {"ar": SpeculativeDecoder(target),
-                "chain": SpeculativeDecoder(target, drafter, lookup=LookupConfig(), corpus=corpus)}
-    for spec in args.trees.split(","):
+    chain = load_pair(DecodeConfig(drafter="default", dtype=args.dtype)).decoder  # with lookup and corpus
+    target = chain.target
+    decoders = {"ar": SpeculativeDecoder(target), "chain": chain}
+    for spec in args.trees.split(","):  # the same loaded parts, verified as trees
         nodes, first = map(int, spec.split(":"))
-        decoders[f"tree {spec}"] = SpeculativeDecoder(target, drafter, lookup=LookupConfig(), corpus=corpus,
-                                                      tree=TreeConfig(nodes, first))
+        decoders[f"tree {spec}"] = SpeculativeDecoder(target, chain.drafter, verify=chain.verify,
+                                                      block_size=chain.block_size, lookup=chain.lookup,
+                                                      corpus=chain.corpus, tree=TreeConfig(nodes, first))
     for name in args.datasets.split(","):
         prompts = [target.chat_ids(c) for c in load_prompt_set(name)[: args.limit]]
         for dec in decoders.values():
