@@ -55,13 +55,11 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
-    import ray
-
+    from pipelines.ray_session import init_ray
     from pipelines.train import TrainConfig, run_train
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}})
+    ray = init_ray(num_cpus=4, log_to_driver=False, env_vars={"DS_ACCELERATOR": "cpu"})
     data = args.data or str(distill(work / "data", args.samples))
     base = dict(data=data, output_dir=str(work / "runs"), num_anchors=args.num_anchors, block_size=args.block_size,
                 micro_batch_size=2, checkpoint_every=10_000, eval_at_end=False)

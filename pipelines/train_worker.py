@@ -56,6 +56,8 @@ class InjectedFailure(RuntimeError):
 
 
 class TrainWorker:
+    """One rank's training run; `run` is the lifecycle in the module docstring."""
+
     def __init__(self, cfg: TrainConfig, plan: TrainPlan):
         self.cfg, self.plan = cfg, plan
         self.micro_per_epoch = plan.steps_per_epoch * cfg.grad_accum
