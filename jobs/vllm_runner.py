@@ -19,10 +19,11 @@ ours), so it imports only vLLM, the standard library and json files: no dflash. 
 Each run builds one engine (start-up is most of its cost: about a minute for the 135M
 target on 2 CPU cores), warms it up on one short request, then decodes every prompt.
 OUT.json: {"vllm_version", "runs": [{"name", "drafter", "block", "startup_s", "decode_s",
-"outputs", "generated_tokens", "tokens_per_s", "spec"}]} where spec (drafter runs only) holds
+"outputs", "generated_tokens", "tokens_per_s", "spec", "per_prompt"}]} where spec (drafter runs only) holds
 vLLM's own counters for the timed decode: num_drafts, num_draft_tokens,
 num_accepted_tokens, accepted_per_pos (drafts accepted at position i, i = 0..block-2) and
-tau = 1 + num_accepted_tokens / num_drafts (tokens per target pass).
+tau = 1 + num_accepted_tokens / num_drafts (tokens per target pass); per_prompt (sequential
+only) holds each request's decode_s, tokens and spec.
 """
 
 from __future__ import annotations
@@ -75,9 +76,16 @@ def run_one(spec: dict, run: dict) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False)
     before = spec_counters(llm)
+    per_prompt = []
     t0 = time.perf_counter()
-    if spec.get("sequential"):
-        results = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    if spec.get("sequential"):  # one request at a time, each timed with its own counters
+        results = []
+        for p in prompts:
+            c0, t1 = spec_counters(llm), time.perf_counter()
+            results += llm.generate([p], params, use_tqdm=False)
+            per_prompt.append({"decode_s": round(time.perf_counter() - t1, 4),
+                               "tokens": len(results[-1].outputs[0].token_ids),
+                               "spec": counter_delta(spec_counters(llm), c0) if drafter else None})
     else:
         results = llm.generate(prompts, params, use_tqdm=False)
     decode = time.perf_counter() - t0
@@ -89,7 +97,7 @@ def run_one(spec: dict, run: dict) -> dict:
     return {"name": run.get("name", ""), "drafter": drafter, "block": block if drafter else 1,
             "startup_s": round(startup, 3), "decode_s": round(decode, 4), "outputs": outputs,
             "generated_tokens": generated, "tokens_per_s": round(generated / decode, 3) if decode > 0 else 0.0,
-            "spec": counter_delta(after, before) if drafter else None}
+            "spec": counter_delta(after, before) if drafter else None, "per_prompt": per_prompt}
 
 
 def main(argv: list[str]) -> int:

@@ -211,7 +211,8 @@ def test_mask_embedding_file_is_read_safely_and_replaces_the_mask_row(tmp_path, 
     assert torch.equal(drafter.mask_embedding, emb)
     block = torch.tensor([[7, cfg.mask_token_id, cfg.mask_token_id]])
     x = drafter.embed_block(target_fp32.embed, block)
-    assert torch.equal(x[0, 0], target_fp32.embed(block)[0, 0]) and torch.equal(x[0, 1], emb) and torch.equal(x[0, 2], emb)
+    assert torch.equal(x[0, 0], target_fp32.embed(block)[0, 0])
+    assert torch.equal(x[0, 1], emb) and torch.equal(x[0, 2], emb)
     decodes_losslessly(target_fp32, drafter, greedy3)
     # written back next to the weights, the way vLLM reads it
     save_drafter(drafter, tmp_path / "again", dtype="fp32")
