@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash.sampling import check_sampling_ranges
 from dflash.training import right_pad, round_to_storage, target_features
 
 
@@ -40,10 +41,11 @@ class GenerationParams:
     thinking: bool | None = None  # enable_thinking for templates that take it; None = template default
 
     def __post_init__(self):
-        if self.max_new_tokens < 1 or self.max_turns < 1:
-            raise ValueError("max_new_tokens and max_turns must be >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}")
+        check_sampling_ranges(self.max_new_tokens, self.temperature, self.top_p)  # the one range rule
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_seq_len <= self.max_new_tokens:
             raise ValueError(f"max_seq_len {self.max_seq_len} leaves no room for a prompt of "
                              f"max_new_tokens {self.max_new_tokens}")

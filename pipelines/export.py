@@ -6,7 +6,8 @@ The checkpoint holds DeepSpeed ZeRO shards of DrafterObjective (parameters under
 "drafter.", the tap_scale buffer) plus train_state.json (step, drafter config, train
 config). Export gathers the shards into fp32 weights, folds tap_scale into fc (the public
 layout reads raw taps) and writes the public DFlash layout with dflash.checkpoint.save_drafter,
-plus training.json (step, checkpoint, train config).
+plus training.json (step, checkpoint, train config). The shards are read with
+weights-only loads (pipelines.safe_load): a crafted run directory cannot run code.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from dflash.config import DrafterConfig
 from dflash.drafter import DFlashDrafter
 from dflash.training import fold_tap_scale
+from pipelines.safe_load import weights_only_loads
 from pipelines.train_config import DS_DIR, DS_TAG, STATE_NAME
 
 
@@ -45,7 +47,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", ov
         raise FileExistsError(f"{out} exists and is not empty")
     ckpt = latest_checkpoint(run_dir)
     state = json.loads((ckpt / STATE_NAME).read_text())
-    full = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / DS_DIR), tag=DS_TAG)
+    with weights_only_loads():  # a crafted run directory must not run code here
+        full = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / DS_DIR), tag=DS_TAG)
     prefix = "drafter."
     weights = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
     drafter = DFlashDrafter(DrafterConfig.from_hf_dict(state["drafter_config"]))

@@ -31,6 +31,7 @@ from dflash.drafter import DFlashDrafter
 from dflash.objective import implied_tau
 from dflash.training import (DrafterObjective, fold_tap_scale, new_drafter, round_to_storage, target_features,
                              warmup_cosine)
+from pipelines.safe_load import weights_only_loads
 from pipelines.train_config import (DS_DIR, DS_TAG, METRICS_NAME, STATE_NAME, TrainConfig, TrainPlan,
                                     load_eval_prompts)
 from pipelines.train_data import micro_batches
@@ -106,7 +107,7 @@ class TrainWorker:
     def restore(self, checkpoint) -> None:
         if not checkpoint:
             return
-        with checkpoint.as_directory() as d:
+        with checkpoint.as_directory() as d, weights_only_loads():  # resuming runs no pickled code
             self.engine.load_checkpoint(os.path.join(d, DS_DIR), tag=DS_TAG)
             state = json.loads(Path(d, STATE_NAME).read_text())
         self.progress = Progress(state["step"], state["epoch"], state["micro_in_epoch"])
