@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from dflash.lookup import NgramIndex
 from dflash.sampling import SamplingParams
+from dflash.width import RowWidth
 
 
 @dataclass
@@ -35,6 +36,12 @@ class RequestStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # accepted + 1, per cycle
+    verify_widths: list[int] = field(default_factory=list)  # the cycle's verify width W, per cycle
+    # per source (dflash.width.SOURCES) and draft position k = 1..max_width-1: drafts of this
+    # request's verified guesses that were scored (reached: every draft before them accepted)
+    # and accepted; tried[s][k-1] counts position k
+    tried: dict = field(default_factory=dict)
+    accepted: dict = field(default_factory=dict)
     lookup_cycles: int = 0  # cycles whose draft was copied from the context (dflash.lookup)
     corpus_cycles: int = 0  # cycles whose draft came from the corpus (dflash.corpus)
     prefill_time_s: float = 0.0
@@ -46,6 +53,21 @@ class RequestStats:
     def tau(self) -> float:
         """Mean tokens per verify cycle (accepted drafts + the bonus), in [1, max_width]."""
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    def record(self, width: int, source: str | None, own: int, num_accepted: int) -> None:
+        """One cycle: verify width, the row's guess (its source, own drafts) and how many
+        of them were accepted."""
+        self.acceptance_lengths.append(num_accepted + 1)
+        self.verify_widths.append(width)
+        self.lookup_cycles += source == "lookup"
+        self.corpus_cycles += source == "corpus"
+        if source is not None and own:
+            tried = self.tried.setdefault(source, [0] * (self.max_width - 1))
+            accepted = self.accepted.setdefault(source, [0] * (self.max_width - 1))
+            for k in range(min(num_accepted + 1, own)):
+                tried[k] += 1
+            for k in range(num_accepted):
+                accepted[k] += 1
 
     def histogram(self) -> list[int]:
         """counts[i] = cycles that emitted i+1 tokens, i in 0..max_width-1."""
@@ -62,8 +84,10 @@ class RequestStats:
             "lookup_cycles": self.lookup_cycles,
             "corpus_cycles": self.corpus_cycles,
             "tau": round(self.tau, 4),
+            "mean_verify_width": round(sum(self.verify_widths) / len(self.verify_widths), 3) if self.verify_widths else 0.0,
             "acceptance_lengths": list(self.acceptance_lengths),
             "acceptance_histogram": self.histogram(),
+            "verify_widths": list(self.verify_widths),
             "prefill_time_s": round(self.prefill_time_s, 5),
             "draft_time_s": round(self.draft_time_s, 5),
             "verify_time_s": round(self.verify_time_s, 5),
@@ -86,6 +110,18 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     started: float = field(default_factory=time.perf_counter)
     lookup: NgramIndex | None = None  # prompt + output, for context lookup drafts
+    width: RowWidth | None = None  # its acceptance and pending guesses (dflash.width), adaptive width only
+    _position_uniforms: list[float] = field(default_factory=list, repr=False)
+
+    def uniforms_at(self, start: int, n: int) -> list[float]:
+        """The uniforms of output indices start .. start+n-1: the k-th of this request's
+        stream belongs to its k-th output token, however many a cycle drafts or verifies
+        (drawn 32 at a time, so the stream is the same whatever the access pattern). The
+        match rule samples token k with it: a seeded request emits the same text whatever
+        it drafts (alone, in any batch, at any width) - the text AR sampling gives."""
+        while len(self._position_uniforms) < start + n:
+            self._position_uniforms.extend(torch.rand(32, generator=self.generator).tolist())
+        return self._position_uniforms[start:start + n]
 
     @property
     def finished(self) -> bool:

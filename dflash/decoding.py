@@ -17,15 +17,28 @@ widest of the drafts (W tokens, at most max_width), each row only its own. With 
 TreeConfig, a cycle instead verifies all of these guesses at once as a token tree and
 keeps the longest path of the target's own tokens (dflash.tree).
 
+Width. By default (adaptive) each cycle first plans its verify width W (dflash.width): the
+W in 1..max_width, and whether the drafter runs at all, that maximise the batch's expected
+tokens per second under the measured pass costs (a start-up calibration, then the passes
+run) and each row's recent acceptance by source and position; each row verifies the guess
+it expects most from, W = 1 being a plain AR step. Pinned (`adaptive=False`, --block-size),
+every row verifies its whole guess each cycle. The plan reads only the past.
+
+Randomness. Greedy rows need none. A sampled row draws its target tokens with the uniforms
+of their output positions (Request.uniforms_at), so under the match rule its text is AR
+sampling's with the same seed whatever was drafted; seeded rows always verify that way,
+which is what makes a seeded request decode the same text alone, in any batch, at any
+width. Unseeded sampled rows verify by the decoder's rule (rejection by default: it accepts
+more), drawing their draft samples and acceptance tests from their own generator.
+Prefill can run in chunks (Prefill), for a server to interleave with decode steps.
+
 The batch state and its cache layout (slots, holes, compaction) live in dflash.batch.
-Each request draws its random numbers from its own generator, as many as its own draft
-needs (dflash.sampling.row_uniforms), so a seeded request decodes the same text alone or
-in any batch.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -42,6 +55,13 @@ from dflash.sampling import (VERIFY_RULES, SamplingParams, greedy_tokens, row_un
                              token_probs, verify_match, verify_rejection)
 from dflash.target import Target
 from dflash.tree import DraftTree, TreeConfig, build_tree
+from dflash.width import SOURCES, CostModel, Plan, WidthPolicy
+
+DRAFTER, LOOKUP, CORPUS = range(3)  # indices into dflash.width.SOURCES
+# one cost model per loaded target: every decoder on it (AR, DFlash, a bench's ablation)
+# measures and reads the same machine
+_COSTS: "weakref.WeakKeyDictionary[Target, CostModel]" = weakref.WeakKeyDictionary()
+CALIBRATION_S = 1.5  # the start-up calibration's time budget
 
 # the old name; serve/app.py and dflash/checkpoint.py still import it from here
 check_drafter_matches_target = check_drafter_fits
@@ -56,13 +76,15 @@ class SpeculativeDecoder:
     whose last tokens occurred earlier drafts lookup.num_tokens copied tokens instead
     (dflash.lookup); corpus: else a sequence whose last tokens the corpus knows drafts their
     chained continuations (dflash.corpus). A cycle verifies the batch's longest draft (at
-    most max_width tokens), and each row accepts only from its own. tree: verify a draft tree of every guess instead (dflash.tree; at
-    T > 0 its walk is the match rule, whatever `verify` says).
+    most max_width tokens), and each row accepts only from its own. tree: verify a draft tree of every guess
+    instead (dflash.tree; at T > 0 its walk is the match rule, whatever `verify` says). adaptive (default):
+    choose each cycle's width from measured costs and acceptance (dflash.width, module docstring); False:
+    every row verifies its whole guess (the width pinned by block_size).
     """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None,
                  verify: str = "rejection", block_size: int | None = None, lookup: LookupConfig | None = None,
-                 corpus: CorpusIndex | None = None, tree: TreeConfig | None = None):
+                 corpus: CorpusIndex | None = None, tree: TreeConfig | None = None, adaptive: bool = True):
         if verify not in VERIFY_RULES:
             raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
         self.target = target
@@ -88,6 +110,16 @@ class SpeculativeDecoder:
                              corpus.num_tokens + 1 if corpus else 1)  # tokens per verify
         self.stop_token_ids = set(target.stop_token_ids)
         self.max_positions = getattr(target.config, "max_position_embeddings", 1 << 30)
+        # adaptive width (dflash.width): each cycle verifies the width the measured costs and
+        # the rows' acceptance say pays best, 1 (an AR step) included; else every cycle
+        # verifies each row's whole guess (the "pinned" width of --block-size)
+        guesses = drafter is not None or lookup is not None or corpus is not None
+        self.policy = None
+        if adaptive and guesses and tree is None:
+            costs = _COSTS.setdefault(target, CostModel())
+            self.policy = WidthPolicy(self.max_width, costs)
+            if not any(kind == "verify" and b == 1 for kind, b, _ in costs.seen):
+                self.calibrate()
 
     @property
     def device(self) -> torch.device:
@@ -97,9 +129,21 @@ class SpeculativeDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _uniforms(self, batch: DecodeBatch, counts: list[int], width: int) -> torch.Tensor:
-        """(b, width) uniforms: counts[i] from row i's own generator, then zeros (row_uniforms)."""
-        return row_uniforms([r.generator for r in batch.requests], counts, width).to(self.device)
+    def _position_uniforms(self, batch: DecodeBatch, width: int, rows=None) -> torch.Tensor:
+        """(b, width): row i's uniforms for its next `width` output indices (Request.uniforms_at),
+        zeros for greedy rows and rows not in `rows` (a set of indices)."""
+        u = torch.zeros(len(batch), width)
+        for i, r in enumerate(batch.requests):
+            if r.params.temperature > 0 and (rows is None or i in rows):
+                u[i] = torch.tensor(r.uniforms_at(len(r.output_ids), width))
+        return u.to(self.device)
+
+    def _rejects(self, r: Request) -> bool:
+        """Does this row verify by the rejection rule? Unseeded sampled rows under
+        verify="rejection". Seeded ones verify by the match rule with uniforms indexed by
+        output position, so their text is AR sampling's with the same seed whatever the
+        batch and width; greedy rows by the match rule on argmaxes (the same as rejection there)."""
+        return self.verify == "rejection" and r.params.temperature > 0 and r.params.seed is None
 
     def _param_tensors(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         temps = torch.tensor([r.params.temperature for r in requests], device=self.device)
@@ -107,9 +151,12 @@ class SpeculativeDecoder:
         return temps, top_ps
 
     # --- prefill ------------------------------------------------------------------------
-    @torch.no_grad()
     def prefill(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> DecodeBatch:
         """Run the prompts through the target, emit each request's first token (the first anchor)."""
+        return self.start_prefill(prompts, params).advance()
+
+    def start_prefill(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> "Prefill":
+        """A prefill to run in chunks (Prefill.advance), e.g. between a server's decode steps."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if not prompts or len(prompts) != len(params):
@@ -120,39 +167,7 @@ class SpeculativeDecoder:
             if len(p) + sp.max_new_tokens + self.max_width > self.max_positions:
                 raise ValueError(f"prompt of {len(p)} tokens + max_new_tokens {sp.max_new_tokens} exceeds the "
                                  f"target's context of {self.max_positions} tokens")
-        t0 = time.perf_counter()
-        requests = []
-        for p, sp in zip(prompts, params):
-            g = torch.Generator()
-            g.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-            index = NgramIndex(self.lookup, p) if self.lookup is not None else None
-            requests.append(Request(list(p), sp, RequestStats(self.max_width, prompt_tokens=len(p)), g,
-                                    started=t0, lookup=index))
-        lens = torch.tensor([len(p) for p in prompts], device=self.device)
-        width = int(lens.max())
-        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, device=self.device)
-        valid = torch.arange(width, device=self.device)[None] >= (width - lens)[:, None]
-        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.target.config)
-        out = self.target.forward(ids, positions, causal_attention_mask(valid), cache,
-                                  tap_layer_ids=self.tap_ids if self.drafter is not None else None,
-                                  logits_slice=slice(-1, None))
-        context = None
-        if self.drafter is not None:
-            taps = out.taps.masked_fill(~valid[..., None], 0)
-            context = self.drafter.context_kv(taps, positions)
-        batch = DecodeBatch(requests, cache, context, valid, lens.clone(), torch.zeros_like(lens))
-        temps, top_ps = self._param_tensors(requests)
-        first = target_tokens(out.logits, temps, top_ps, self._uniforms(batch, [1] * len(batch), 1))[:, 0]
-        batch.anchor = first
-        self._sync()
-        dt = time.perf_counter() - t0
-        for r, tok in zip(requests, first.tolist()):
-            r.stats.prefill_time_s = dt
-            r.emit([tok], self.stop_token_ids | set(r.params.stop_token_ids))
-        return batch
+        return Prefill(self, prompts, params)
 
     # --- one speculative cycle ----------------------------------------------------------
     @torch.no_grad()
@@ -186,80 +201,123 @@ class SpeculativeDecoder:
         """The best guess that needs no drafter pass and its source, or (None, None)."""
         return next(self._copies(r, extra), (None, None))
 
-    def _draft(self, batch: DecodeBatch, copies: list, W: int, temps, top_ps, u_draft: torch.Tensor,
-               rejection: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This cycle's drafts (b, W-1) and, for the rejection rule, the distributions they
-        were drawn from (b, W-1, V; else None). W: this cycle's verify width.
+    def _guesses(self, r: Request) -> dict[int, list[int]]:
+        """{source index: drafts} of the copy guesses (dflash.width.SOURCES): under adaptive
+        width every copy source, scored even when unused; pinned, the first one only."""
+        if self.policy is None:
+            c, src = self._copy(r)
+            return {} if c is None else {SOURCES.index(src): c}
+        return {SOURCES.index(src): c for c, src in self._copies(r)}
 
-        A row with a copy (copies[i], from the context or the corpus) drafts it, a proposal
-        with probability one. The other rows draft with the drafter: its argmax, or under
-        the rejection rule a sample drawn with u_draft (b, B-1). A row shorter than W-1 is
-        padded with its last draft (or its anchor, without any draft); the verify accepts
-        nothing past a row's own draft (dflash.sampling, `lengths`). Every draft depends on
-        the context alone, which is what the rejection rule needs."""
-        b, B = len(batch), self.block_size
-        draft = batch.anchor[:, None].repeat(1, W - 1)  # placeholders, overwritten below
-        from_drafter = [c is None for c in copies]
-        q_drafter = None
-        if self.drafter is not None and any(from_drafter):
-            logits = self.draft_scores(batch)  # (b, B-1, K) over the draft vocabulary
-            if rejection:
-                q_drafter = token_probs(self.head.full(logits), temps, top_ps)  # (b, B-1, V)
-                d = sample_from(q_drafter, u_draft)
+    def _pinned_plan(self, guesses: list[dict[int, list[int]]]) -> Plan:
+        """Every row verifies its whole guess (a copy first, else the drafter's block)."""
+        sources, lengths = [], []
+        for g in guesses:
+            if g:
+                s = min(g)
+                sources.append(s)
+                lengths.append(len(g[s]))
+            elif self.drafter is not None:
+                sources.append(DRAFTER)
+                lengths.append(self.block_size - 1)
             else:
-                d = self.head.token_ids(greedy_tokens(logits))
-            draft[:, : B - 1] = d
-            draft[:, B - 1:] = d[:, -1:]
-        for i, c in enumerate(copies):
-            if c is not None:
-                draft[i] = torch.tensor((c + c[-1:] * W)[: W - 1], device=self.device)
-        if not rejection:
+                sources.append(-1)
+                lengths.append(0)
+        return Plan(max(lengths) + 1, DRAFTER in sources, sources, lengths)
+
+    def _drafter_block(self, batch: DecodeBatch, temps, top_ps, rejecting: list[bool]
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafter's block for every row (b, B-1): its argmax, or for the rows that verify
+        by the rejection rule a sample drawn with the row's own uniforms; and those rows'
+        distributions (r, B-1, V; None when none rejects). Each depends on the context alone,
+        which is what the rejection rule needs."""
+        B = self.block_size
+        logits = self.draft_scores(batch)  # (b, B-1, K) over the draft vocabulary
+        d = self.head.token_ids(greedy_tokens(logits))
+        if not any(rejecting):
+            return d, None
+        rows = torch.tensor([i for i, x in enumerate(rejecting) if x], device=self.device)
+        q = token_probs(self.head.full(logits[rows]), temps[rows], top_ps[rows])  # (r, B-1, V)
+        gens = [batch.requests[i].generator for i in rows.tolist()]
+        d[rows] = sample_from(q, row_uniforms(gens, [B - 1] * len(gens), B - 1).to(self.device))
+        return d, q
+
+    def _assemble(self, batch: DecodeBatch, plan: Plan, guesses, block: torch.Tensor | None,
+                  q_block: torch.Tensor | None, rejecting: list[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(b, W-1) drafts: row i's own plan.lengths[i] from its source, padded with its last
+        draft (or its anchor); the verify accepts nothing past a row's own drafts. And for the
+        rejecting rows the distributions they were drawn from (r, W-1, V): the drafter's q, or
+        a one-hot for a copy (a proposal with probability one)."""
+        W = plan.width
+        draft = batch.anchor[:, None].repeat(1, W - 1)
+        anchors = batch.anchor.tolist()
+        for i, (src, n) in enumerate(zip(plan.sources, plan.lengths)):
+            if n == 0:
+                continue
+            if src == DRAFTER:
+                own = block[i, :n]
+            else:
+                own = torch.tensor(guesses[i][src][:n], device=self.device)
+            draft[i, :n] = own
+            draft[i, n:] = own[-1] if n else anchors[i]
+        if not any(rejecting):
             return draft, None
-        q = torch.zeros(b, W - 1, self.target.vocab_size, device=self.device).scatter_(-1, draft[..., None], 1.0)
-        if q_drafter is not None:
-            rows = torch.tensor(from_drafter, device=self.device)
-            q[rows, : B - 1] = q_drafter[rows]
+        rows = [i for i, x in enumerate(rejecting) if x]
+        q = torch.zeros(len(rows), W - 1, self.target.vocab_size, device=self.device)
+        q.scatter_(-1, draft[rows][..., None], 1.0)
+        for j, i in enumerate(rows):  # q_block holds the same rows, in the same order
+            if plan.sources[i] == DRAFTER:
+                q[j, :plan.lengths[i]] = q_block[j, :plan.lengths[i]]
         return draft, q
 
     @torch.no_grad()
     def step(self, batch: DecodeBatch) -> list[list[int]]:
-        """Draft, verify, accept, commit. Returns the tokens each request emitted this cycle.
+        """Plan, draft, verify, accept, commit. Returns the tokens each request emitted this cycle.
 
         Finished requests must have been removed (see `generate` / `drop_finished`).
         """
         if self.tree is not None:
             return self._step_tree(batch)
-        b, B = len(batch), self.block_size
+        b = len(batch)
         temps, top_ps = self._param_tensors(batch.requests)
-        # the rejection rule on greedy rows is the match rule on argmaxes (dflash.sampling):
-        # distributions are built only for a cycle with a sampled row
-        rejection = self.verify == "rejection" and bool((temps > 0).any())
 
         t0 = time.perf_counter()
-        copies, sources = zip(*[self._copy(r) for r in batch.requests])
-        lengths = [len(c) if c is not None else B - 1 for c in copies]  # each row's own drafts
-        W = max(lengths) + 1  # this cycle's verify width: the anchor and the longest draft
-        # each row's own draws, in this order: drafter samples, acceptance tests, the target's tokens
-        u_draft = self._uniforms(batch, [B - 1 if c is None else 0 for c in copies], B - 1)
-        u_accept = self._uniforms(batch, lengths, W - 1)
-        u_target = self._uniforms(batch, [n + 1 for n in lengths], W)
-        draft, q = self._draft(batch, copies, W, temps, top_ps, u_draft, rejection) if W > 1 else (None, None)
+        guesses = [self._guesses(r) for r in batch.requests]
+        if self.policy is not None:
+            plan = self.policy.plan([r.width for r in batch.requests], guesses,
+                                    self.block_size if self.drafter is not None else None)
+        else:
+            plan = self._pinned_plan(guesses)
+        W = plan.width
+        rejecting = [W > 1 and n > 0 and self._rejects(r) for r, n in zip(batch.requests, plan.lengths)]
+        t_plan = time.perf_counter()
+        block = q_block = None
+        if plan.drafter:
+            block, q_block = self._drafter_block(batch, temps, top_ps, rejecting)
+        draft, q = self._assemble(batch, plan, guesses, block, q_block, rejecting) if W > 1 else (None, None)
         positions = batch.next_pos[:, None] + torch.arange(W, device=self.device)  # (b, W)
         verify_ids = batch.anchor[:, None] if draft is None else torch.cat([batch.anchor[:, None], draft], dim=1)
         self._sync()
         t1 = time.perf_counter()
         out = self.target.forward(verify_ids, positions, extend_attention_mask(batch.slot_valid, W, causal=True),
                                   batch.cache, tap_layer_ids=self.tap_ids if self.drafter is not None else None)
-        lengths_t = torch.tensor(lengths, device=self.device)
+        # greedy and match rows: the target's own token at every slot, sampled with the
+        # uniforms of its output position; rejecting rows are decided below
+        matching = {i for i, x in enumerate(rejecting) if not x}
+        y = target_tokens(out.logits, temps.masked_fill(torch.tensor(rejecting, device=self.device), 0.0), top_ps,
+                          self._position_uniforms(batch, W, matching))
+        lengths = torch.tensor(plan.lengths, device=self.device)
         if draft is None:
-            n_acc = torch.zeros(b, dtype=torch.long, device=self.device)
-            bonus = target_tokens(out.logits, temps, top_ps, u_target)[:, 0]
-        elif rejection:
-            p = token_probs(out.logits, temps, top_ps)  # (b, W, V)
-            u_bonus = u_target.gather(1, lengths_t[:, None])[:, 0]  # the row's draw after its own drafts
-            n_acc, bonus = verify_rejection(draft, q, p, u_accept, u_bonus, lengths_t)
+            n_acc, bonus = torch.zeros(b, dtype=torch.long, device=self.device), y[:, 0]
         else:
-            n_acc, bonus = verify_match(draft, target_tokens(out.logits, temps, top_ps, u_target), lengths_t)
+            n_acc, bonus = verify_match(draft, y, lengths)
+        if q is not None:
+            rows = torch.tensor([i for i, x in enumerate(rejecting) if x], device=self.device)
+            gens = [batch.requests[i].generator for i in rows.tolist()]
+            p = token_probs(out.logits[rows], temps[rows], top_ps[rows])  # (r, W, V)
+            u_accept = row_uniforms(gens, lengths[rows].tolist(), W - 1).to(self.device)
+            u_bonus = row_uniforms(gens, [1] * len(gens), 1)[:, 0].to(self.device)
+            n_acc[rows], bonus[rows] = verify_rejection(draft[rows], q, p, u_accept, u_bonus, lengths[rows])
         self._sync()
         t2 = time.perf_counter()
 
@@ -269,7 +327,76 @@ class SpeculativeDecoder:
         self._commit(batch, out, positions, new_valid, keep, bonus)
         draft_list = draft.tolist() if draft is not None else [[]] * b
         tokens = [draft_list[i][:int(n)] + [int(bonus[i])] for i, n in enumerate(n_acc.tolist())]
-        return self._emit(batch, tokens, sources, t1 - t0, t2 - t1)
+        sources = [SOURCES[s] if s >= 0 else None for s in plan.sources]
+        starts = [len(r.output_ids) for r in batch.requests]
+        emitted = self._emit(batch, tokens, sources, W, plan.lengths, t1 - t_plan if plan.drafter else 0.0, t2 - t1)
+        if self.policy is not None:
+            self._learn(batch, plan, guesses, block, starts)
+            self._sync()
+            costs = self.policy.costs
+            costs.observe("verify", b, W, t2 - t1)
+            if plan.drafter:
+                costs.observe("drafter", b, 1, t1 - t_plan)
+            costs.observe("overhead", b, 1, (t_plan - t0) + (time.perf_counter() - t2))
+        return emitted
+
+    def _learn(self, batch: DecodeBatch, plan: Plan, guesses, block: torch.Tensor | None, starts: list[int]) -> None:
+        """Adaptive width: keep this cycle's guesses (the drafter's whole block when it ran)
+        to score against the tokens emitted from `starts` on, score what is decided."""
+        block_list = block.tolist() if block is not None else None
+        for i, r in enumerate(batch.requests):
+            row = r.width
+            for src, drafts in guesses[i].items():
+                self.policy.propose(row, src, drafts, starts[i])
+            if block_list is not None:
+                self.policy.propose(row, DRAFTER, block_list[i], starts[i])
+                row.since_drafter = 0
+            else:
+                row.since_drafter += 1
+            self.policy.score(row, r.output_ids, finished=r.finished)
+
+    @torch.no_grad()
+    def calibrate(self, budget_s: float = CALIBRATION_S, context: int = 128) -> dict[int, float]:
+        """Time a width-W verify (W = 1 .. max_width, as many as the budget allows, the ends
+        first) and a drafter pass at batch 1 over a `context`-token cache into the cost
+        model: the start-up guess the passes of real cycles then refine.
+        Returns {W: verify seconds}."""
+        costs = self.policy.costs
+        n = min(context, max(1, self.max_positions - self.max_width - 2))
+        ids = [(7 * k) % max(2, self.target.vocab_size - 1) + 1 for k in range(n)]
+        batch = self.prefill([ids], SamplingParams(max_new_tokens=1))
+        taps = self.tap_ids if self.drafter is not None else None
+
+        def verify(w: int) -> float:
+            ids_w = batch.anchor[:, None].repeat(1, w)
+            pos = batch.next_pos[:, None] + torch.arange(w, device=self.device)
+            self._sync()
+            t = time.perf_counter()
+            self.target.forward(ids_w, pos, extend_attention_mask(batch.slot_valid, w, causal=True), batch.cache,
+                                tap_layer_ids=taps)
+            self._sync()
+            dt = time.perf_counter() - t
+            batch.cache.crop(-w)
+            return dt
+
+        order = [1, self.max_width] + sorted({2, 4, 8, 3, 6, 12, 16} - {1, self.max_width},
+                                             key=lambda w: (w not in (2, 4, 8), w))
+        order = [w for w in dict.fromkeys(order) if w <= self.max_width]
+        verify(1), verify(self.max_width)  # warm-up
+        t0 = time.perf_counter()
+        seen = {}
+        for w in order:
+            if len(seen) >= 2 and time.perf_counter() - t0 > budget_s:
+                break
+            seen[w] = min(verify(w), verify(w))
+            costs.observe("verify", 1, w, seen[w])
+        if self.drafter is not None:
+            self.draft_scores(batch)
+            t = time.perf_counter()
+            self.draft_scores(batch)
+            self._sync()
+            costs.observe("drafter", 1, 1, time.perf_counter() - t)
+        return seen
 
     def _commit(self, batch: DecodeBatch, out, positions: torch.Tensor, new_valid: torch.Tensor,
                 keep: torch.Tensor, bonus: torch.Tensor) -> None:
@@ -287,14 +414,13 @@ class SpeculativeDecoder:
         batch.next_pos = batch.next_pos + keep
         batch.anchor = bonus
 
-    def _emit(self, batch: DecodeBatch, tokens: list[list[int]], sources: list, draft_s: float,
-              verify_s: float) -> list[list[int]]:
-        """Record each row's cycle (its source: "lookup", "corpus" or None) and emit its tokens."""
+    def _emit(self, batch: DecodeBatch, tokens: list[list[int]], sources: list, width: int, own: list[int],
+              draft_s: float, verify_s: float) -> list[list[int]]:
+        """Record each row's cycle (the verify width, its source: "drafter", "lookup",
+        "corpus" or None, its own drafts) and emit its tokens."""
         emitted = []
-        for r, toks, source in zip(batch.requests, tokens, sources):
-            r.stats.acceptance_lengths.append(len(toks))
-            r.stats.lookup_cycles += source == "lookup"
-            r.stats.corpus_cycles += source == "corpus"
+        for r, toks, source, n in zip(batch.requests, tokens, sources, own):
+            r.stats.record(width, source, n, len(toks) - 1)
             r.stats.draft_time_s += draft_s
             r.stats.verify_time_s += verify_s
             emitted.append(r.emit(toks, self.stop_token_ids | set(r.params.stop_token_ids)))
@@ -338,7 +464,11 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         out = self.target.forward(tree.tokens, positions, mask, batch.cache,
                                   tap_layer_ids=self.tap_ids if self.drafter is not None else None)
-        y = target_tokens(out.logits, temps, top_ps, self._uniforms(batch, tree.num_nodes, W))  # (b, W)
+        # each node's token sampled with the uniform of its output position (its depth): the
+        # path's tokens are AR sampling's whatever the tree holds
+        depth = int(tree.depth.max()) + 1
+        u = self._position_uniforms(batch, depth).gather(1, tree.depth.to(self.device))
+        y = target_tokens(out.logits, temps, top_ps, u)  # (b, W)
         paths, bonus = tree.walk(y.tolist())
         self._sync()
         t2 = time.perf_counter()
@@ -352,7 +482,7 @@ class SpeculativeDecoder:
         nodes = tree.tokens.tolist()
         tokens = [[nodes[i][n] for n in path[1:]] + [bonus[i]] for i, path in enumerate(paths)]
         sources = [tree.source[i][path[-1]] for i, path in enumerate(paths)]
-        return self._emit(batch, tokens, sources, t1 - t0, t2 - t1)
+        return self._emit(batch, tokens, sources, W, [len(t) - 1 for t in tokens], t1 - t0, t2 - t1)
 
     # --- driving loop -------------------------------------------------------------------
     def drop_finished(self, batch: DecodeBatch) -> tuple[DecodeBatch | None, list[Request]]:
@@ -385,3 +515,77 @@ class SpeculativeDecoder:
                 self.step(batch)
                 batch, _ = self.drop_finished(batch)
         return results
+
+
+class Prefill:
+    """Prompts on their way into the target's cache, a chunk of columns at a time.
+
+    The prompts are left-padded to one width t; `advance(max_tokens)` runs the next columns
+    [done, done + c) with c = max_tokens // rows (all that is left by default) through the
+    target, each column seeing the valid columns before it (the slice of the full causal
+    mask), and appends their drafter context. After the last column it samples each
+    request's first token and returns the DecodeBatch; before, None. A server interleaves
+    these chunks with decode steps and simply drops a Prefill whose request was cancelled.
+
+    Example: prompts of 5 and 3 tokens, advance(4) -> columns 0-1 (2 rows x 2 = 4 tokens),
+    then columns 2-3, then column 4 and the first tokens.
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder, prompts: list[list[int]], params: list[SamplingParams]):
+        self.decoder = dec = decoder
+        self.started = time.perf_counter()
+        self.elapsed_s = 0.0
+        self.requests = []
+        for p, sp in zip(prompts, params):
+            g = torch.Generator()
+            g.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+            index = NgramIndex(dec.lookup, p) if dec.lookup is not None else None
+            self.requests.append(Request(list(p), sp, RequestStats(dec.max_width, prompt_tokens=len(p)), g,
+                                         started=self.started, lookup=index,
+                                         width=dec.policy.new_row() if dec.policy is not None else None))
+        self.lens = torch.tensor([len(p) for p in prompts], device=dec.device)
+        width = int(self.lens.max())
+        self.ids = torch.zeros(len(prompts), width, dtype=torch.long, device=dec.device)
+        for i, p in enumerate(prompts):
+            self.ids[i, width - len(p):] = torch.tensor(p, device=dec.device)
+        self.valid = torch.arange(width, device=dec.device)[None] >= (width - self.lens)[:, None]
+        self.positions = (self.valid.long().cumsum(1) - 1).clamp(min=0)
+        self.cache = DynamicCache(config=dec.target.config)
+        self.context = None
+        self.done = 0  # columns already in the cache
+
+    @property
+    def remaining_tokens(self) -> int:
+        return (self.ids.shape[1] - self.done) * len(self.requests)
+
+    @torch.no_grad()
+    def advance(self, max_tokens: int | None = None) -> DecodeBatch | None:
+        dec, t0 = self.decoder, time.perf_counter()
+        rows, width = len(self.requests), self.ids.shape[1]
+        cols = width - self.done if max_tokens is None else max(1, max_tokens // rows)
+        a, b = self.done, min(width, self.done + cols)
+        mask = causal_attention_mask(self.valid[:, :b])[:, :, a:b]
+        drafting = dec.drafter is not None
+        out = dec.target.forward(self.ids[:, a:b], self.positions[:, a:b], mask, self.cache,
+                                 tap_layer_ids=dec.tap_ids if drafting else None,
+                                 logits_slice=slice(-1, None))  # only the last chunk's is used
+        if drafting:
+            taps = out.taps.masked_fill(~self.valid[:, a:b, None], 0)
+            self.context = concat_context(self.context, dec.drafter.context_kv(taps, self.positions[:, a:b]))
+        self.done = b
+        if b < width:
+            dec._sync()
+            self.elapsed_s += time.perf_counter() - t0
+            return None
+        batch = DecodeBatch(self.requests, self.cache, self.context, self.valid, self.lens.clone(),
+                            torch.zeros_like(self.lens))
+        temps, top_ps = dec._param_tensors(self.requests)
+        first = target_tokens(out.logits, temps, top_ps, dec._position_uniforms(batch, 1))[:, 0]
+        batch.anchor = first
+        dec._sync()
+        self.elapsed_s += time.perf_counter() - t0
+        for r, tok in zip(self.requests, first.tolist()):
+            r.stats.prefill_time_s = self.elapsed_s
+            r.emit([tok], dec.stop_token_ids | set(r.params.stop_token_ids))
+        return batch
+

@@ -28,11 +28,11 @@ from dflash.corpus import CorpusIndex, resolve_corpus
 from dflash.decoding import SpeculativeDecoder
 from dflash.drafter import DFlashDrafter
 from dflash.lookup import LookupConfig
+from dflash.sampling import VERIFY_RULES
 from dflash.target import Target, load_target, parse_dtype
 from dflash.tree import TreeConfig
 
 DTYPES = ("auto", "bf16", "fp32", "fp16")
-VERIFY_RULES = ("rejection", "match")
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,10 @@ class DecodeConfig:
     dtype: Literal["auto", "bf16", "fp32", "fp16"] = "auto"
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     verify: Literal["rejection", "match"] = "rejection"  # the lossless rule at T > 0
-    block_size: int = 0  # tokens a drafter cycle verifies; 0: the drafter's decode block
+    # 0 (default): adaptive width - each cycle verifies the width (1 .. the drafter's decode
+    # block, or a copy's length) that the measured pass costs and the recent acceptance say
+    # pays best (dflash.width); > 0: pin the drafter's block to this, every cycle (experiments)
+    block_size: int = 0
     lookup: bool = True  # with a drafter: copy drafts from the context when it repeats (dflash.lookup)
     lookup_tokens: int = 7  # tokens per copied or corpus draft
     # corpus lookup (dflash.corpus): "auto" = the drafter directory's corpus/corpus.safetensors
@@ -159,7 +162,7 @@ def build_decoder(cfg: DecodeConfig, target: Target, drafter: DFlashDrafter | No
     tree = TreeConfig(max_nodes=cfg.tree_nodes) if cfg.tree_nodes else None
     block = decode_block(cfg, drafter.config) if drafter is not None else None
     return SpeculativeDecoder(target, drafter, verify=cfg.verify, block_size=block, lookup=lookup,
-                              corpus=corpus, tree=tree)
+                              corpus=corpus, tree=tree, adaptive=not cfg.block_size)
 
 
 def check_pair(cfg: DecodeConfig) -> None:

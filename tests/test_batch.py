@@ -75,3 +75,26 @@ def test_stats_histogram_spans_the_widest_verify():
     stats = RequestStats(max_width=4, acceptance_lengths=[1, 4, 2, 4])
     assert stats.histogram() == [1, 1, 0, 2] and stats.tau == 2.75
     assert "max_width" not in stats.to_dict() and stats.to_dict()["acceptance_histogram"] == [1, 1, 0, 2]
+
+
+def test_stats_record_counts_scored_and_accepted_drafts_by_position():
+    stats = RequestStats(max_width=5)
+    stats.record(5, "drafter", own=4, num_accepted=2)  # d1, d2 accepted, d3 rejected, d4 never reached
+    stats.record(3, "lookup", own=2, num_accepted=2)  # both accepted
+    stats.record(1, None, own=0, num_accepted=0)  # an AR step
+    assert stats.tried == {"drafter": [1, 1, 1, 0], "lookup": [1, 1, 0, 0]}
+    assert stats.accepted == {"drafter": [1, 1, 0, 0], "lookup": [1, 1, 0, 0]}
+    assert stats.verify_widths == [5, 3, 1] and stats.acceptance_lengths == [3, 3, 1] and stats.lookup_cycles == 1
+    assert stats.to_dict()["mean_verify_width"] == 3.0
+
+
+def test_position_uniforms_do_not_depend_on_how_they_are_read():
+    """uniforms_at(k) is the k-th output token's uniform however many a cycle reads."""
+    def request():
+        return Request([1], SamplingParams(4), RequestStats(4), torch.Generator().manual_seed(5))
+
+    a, b = request(), request()
+    whole = a.uniforms_at(0, 70)
+    pieces = b.uniforms_at(0, 1) + b.uniforms_at(1, 3) + b.uniforms_at(4, 40) + b.uniforms_at(44, 26)
+    assert whole == pieces and len(set(whole)) == 70
+    assert b.uniforms_at(10, 2) == whole[10:12]  # re-reading a position gives the same draw

@@ -48,7 +48,11 @@ def test_dflash_greedy_is_lossless_fp32(target_fp32, prompts, reference, random_
     taus = [r.stats.tau for r in out]
     assert all(1.0 <= t <= drafter.config.block_size for t in taus)
     if which == "trained":  # trained on the first four prompts' answers: accepts far more there
-        assert sum(taus[:4]) / 4 > 2.0
+        # (tau measured on the pinned block: adaptive widths make tau a function of the costs)
+        pinned = SpeculativeDecoder(target_fp32, drafter, adaptive=False).generate(
+            prompts[:4], SamplingParams(MAX_NEW), batch_size=batch_size)
+        assert [r.output_ids for r in pinned] == reference[:4]
+        assert sum(r.stats.tau for r in pinned) / 4 > 2.0
 
 
 def test_requests_joining_and_compaction_stay_lossless(target_fp32, prompts, reference, trained):
@@ -191,6 +195,10 @@ def test_shipped_reference_drafter_is_lossless_and_accepts_drafts(target_fp32, p
     drafter = _shipped_drafter(target_fp32, "fp32")
     out = SpeculativeDecoder(target_fp32, drafter).generate(prompts, SamplingParams(MAX_NEW), batch_size=4)
     assert [r.output_ids for r in out] == reference
+    # its acceptance on the pinned block (adaptive widths make tau a function of the costs)
+    out = SpeculativeDecoder(target_fp32, drafter, adaptive=False).generate(prompts, SamplingParams(MAX_NEW),
+                                                                            batch_size=4)
+    assert [r.output_ids for r in out] == reference
     cycles = [n for r in out for n in r.stats.acceptance_lengths]
     assert sum(cycles) / len(cycles) > 1.2  # measured 1.44; an untrained drafter stays at ~1.0
 
@@ -200,3 +208,39 @@ def test_shipped_reference_drafter_bf16_emits_target_argmax(target_bf16, prompts
     out = SpeculativeDecoder(target_bf16, drafter).generate(prompts, SamplingParams(MAX_NEW), batch_size=4)
     worst = max(float(_rescore_margins(target_bf16, p, r.output_ids).max()) for p, r in zip(prompts, out))
     assert worst <= BF16_MARGIN, f"an emitted token was {worst:.3f} logits below the target's argmax"
+
+
+def test_chunked_prefill_equals_one_pass(target_fp32, prompts, reference, random_drafter):
+    """Prefill a chunk of columns at a time (a server between decode steps): the same caches,
+    drafter context and outputs as one pass."""
+    dec = SpeculativeDecoder(target_fp32, random_drafter)
+    params = SamplingParams(MAX_NEW)
+    whole = dec.prefill(prompts[:3], params)
+    pf = dec.start_prefill(prompts[:3], params)
+    chunks = 0
+    while (batch := pf.advance(3 * 7)) is None:  # 7 columns of 3 rows a chunk
+        chunks += 1
+    assert chunks >= 3 and torch.equal(batch.anchor, whole.anchor)
+    for (k1, v1), (k2, v2) in zip(batch.context, whole.context):
+        assert torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4)
+    while batch is not None:
+        dec.step(batch)
+        batch, _ = dec.drop_finished(batch)
+    assert [r.output_ids for r in pf.requests] == reference[:3]
+
+
+def test_adaptive_width_reports_its_widths_and_pinned_verifies_every_guess(target_fp32, prompts, reference,
+                                                                            random_drafter):
+    """An untrained drafter rarely pays: the adaptive policy verifies narrower than the pinned
+    block (many AR steps among its cycles) and both stay exact."""
+    adaptive = SpeculativeDecoder(target_fp32, random_drafter)
+    pinned = SpeculativeDecoder(target_fp32, random_drafter, block_size=8, adaptive=False)
+    assert adaptive.policy is not None and pinned.policy is None
+    assert adaptive.policy.costs.estimate("verify", 1, 1) > 0  # calibrated at start-up
+    out_a = adaptive.generate(prompts[:4], SamplingParams(MAX_NEW), batch_size=1)
+    out_p = pinned.generate(prompts[:4], SamplingParams(MAX_NEW), batch_size=1)
+    assert [r.output_ids for r in out_a] == [r.output_ids for r in out_p] == reference[:4]
+    widths_a = [w for r in out_a for w in r.stats.verify_widths]
+    widths_p = [w for r in out_p for w in r.stats.verify_widths]
+    assert set(widths_p) == {8} and len(widths_a) == sum(len(r.stats.acceptance_lengths) for r in out_a)
+    assert sum(widths_a) / len(widths_a) < 8 and 1 in widths_a

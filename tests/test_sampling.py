@@ -221,8 +221,36 @@ def _critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+def _flat_costs(dec):
+    """Make every width cost the same to `dec`'s width policy (and keep it so): at the law
+    tests' batch of 1000 the measured costs rightly choose width 1 on this tiny model
+    (a 4-token verify costs ~3.3 one-token steps there), and the law must be tested on cycles
+    that draft. The law holds whatever the widths chosen (they use only the past)."""
+    from dflash.width import CostModel
+
+    if dec.policy is not None:
+        costs = CostModel()
+        for b in (1, 1000):
+            for w in range(1, dec.max_width + 1):
+                costs.observe("verify", b, w, 1.0)
+            costs.observe("drafter", b, 1, 0.01)
+        costs.observe = lambda *a: None
+        dec.policy.costs = costs
+    return dec
+
+
+def _law_params(n: int, seed0: int, seeded: bool = False) -> list[SamplingParams]:
+    """n T=1 requests. Unseeded ones verify by the decoder's rule (rejection or match);
+    seeded ones always by the match rule with position-indexed uniforms (SpeculativeDecoder
+    ._rejects). Unseeded requests seed their generators from torch's: seeded here."""
+    torch.manual_seed(seed0)
+    return [SamplingParams(max_new_tokens=N_TOKENS, temperature=1.0, seed=seed0 + i if seeded else None)
+            for i in range(n)]
+
+
 def _sample(decoder, n, seed0):
-    params = [SamplingParams(max_new_tokens=N_TOKENS, temperature=1.0, seed=seed0 + i) for i in range(n)]
+    _flat_costs(decoder)
+    params = _law_params(n, seed0)
     counts: dict[tuple, int] = {}
     accepted = 0
     for start in range(0, n, 1000):
@@ -265,10 +293,11 @@ def test_sampling_is_lossless_in_distribution(tiny, rule):
     assert 0.5 * (q - p_x2).abs().sum() > 0.2
 
 
-def _decode_in_target_law(dec, n: int, seed0: int) -> list:
-    """n seeded T=1 samples of PROMPT, decoded 1000 at a time; asserts their outputs follow
-    the target's exact joint law (chi-square) and returns the requests."""
-    params = [SamplingParams(max_new_tokens=N_TOKENS, temperature=1.0, seed=seed0 + i) for i in range(n)]
+def _decode_in_target_law(dec, n: int, seed0: int, seeded: bool = False) -> list:
+    """n T=1 samples of PROMPT, decoded 1000 at a time (every width costing the same);
+    asserts their outputs follow the target's exact joint law (chi-square) and returns the requests."""
+    _flat_costs(dec)
+    params = _law_params(n, seed0, seeded)
     out = dec.generate([PROMPT] * n, params, batch_size=1000)
     counts: dict[tuple, int] = {}
     for r in out:
@@ -287,7 +316,7 @@ def test_context_lookup_is_lossless_in_distribution(tiny, rule, with_drafter, lo
     """Copied drafts are proposals with probability one: the samples keep the target's law."""
     target, drafter = tiny
     n = 6000
-    dec = SpeculativeDecoder(target, drafter if with_drafter else None, verify=rule, lookup=lookup)
+    dec = SpeculativeDecoder(target, drafter if with_drafter else None, verify=rule, lookup=lookup, adaptive=False)
     out = _decode_in_target_law(dec, n, seed0=20_000)
     copied = sum(r.stats.lookup_cycles for r in out)
     accepted = sum(a - 1 for r in out for a in r.stats.acceptance_lengths)
@@ -305,12 +334,31 @@ def test_corpus_drafts_are_lossless_in_distribution(tiny, rule, with_drafter):
     rng = random.Random(0)
     corpus = CorpusIndex.from_segments([[rng.randrange(V) for _ in range(10)] for _ in range(12)], V, num_tokens=3)
     n = 6000
-    dec = SpeculativeDecoder(target, drafter if with_drafter else None, verify=rule, corpus=corpus)
+    dec = SpeculativeDecoder(target, drafter if with_drafter else None, verify=rule, corpus=corpus, adaptive=False)
     out = _decode_in_target_law(dec, n, seed0=30_000)
     from_corpus = sum(r.stats.corpus_cycles for r in out)
     cycles = sum(len(r.stats.acceptance_lengths) for r in out)
     accepted = sum(a - 1 for r in out for a in r.stats.acceptance_lengths)
     assert n // 4 < from_corpus < cycles and accepted > n // 10, "corpus drafts must be drafted and accepted often"
+
+
+@pytest.mark.parametrize("rule", ["rejection", "match"])
+def test_adaptive_width_over_every_source_keeps_the_target_law(tiny, rule):
+    """The default (adaptive width) with the drafter, context copies and corpus chains: each
+    row verifies the source it expects most from, at the width the policy picks."""
+    import random
+
+    from dflash.corpus import CorpusIndex
+
+    target, drafter = tiny
+    rng = random.Random(3)  # copies longer than the drafter's 3 drafts: worth choosing
+    corpus = CorpusIndex.from_segments([[rng.randrange(V) for _ in range(10)] for _ in range(12)], V, num_tokens=5)
+    dec = SpeculativeDecoder(target, drafter, verify=rule, corpus=corpus,
+                             lookup=LookupConfig(num_tokens=5, max_ngram=2, min_ngram=1))
+    out = _decode_in_target_law(dec, 6000, seed0=70_000)
+    accepted = sum(a - 1 for r in out for a in r.stats.acceptance_lengths)
+    copied = sum(r.stats.lookup_cycles + r.stats.corpus_cycles for r in out)
+    assert accepted > 600 and copied > 0, (accepted, copied)
 
 
 def test_target_tokens_equal_the_full_sampling_path():
@@ -365,12 +413,15 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny):
     assert alone == together
 
 
-@pytest.mark.parametrize("rule,with_drafter,tree", [
-    ("rejection", True, False), ("match", True, False), ("rejection", False, False), ("match", True, True)])
-def test_seeded_request_decodes_the_same_alone_and_in_any_batch(tiny, rule, with_drafter, tree):
+@pytest.mark.parametrize("rule,with_drafter,tree,adaptive", [
+    ("rejection", True, False, False), ("match", True, False, False), ("rejection", False, False, False),
+    ("match", True, True, False), ("rejection", True, False, True), ("match", False, False, True)])
+def test_seeded_request_decodes_the_same_alone_and_in_any_batch(tiny, rule, with_drafter, tree, adaptive):
     """A seeded T=1 request beside others of other prompts, lengths and temperatures, whose
     cycles verify other widths (context copies of 5 tokens, the drafter's block of 4,
-    corpus chains of 3, ragged trees): its tokens are the ones it decodes alone (fp32)."""
+    corpus chains of 3, ragged trees, widths the adaptive policy picks from measured costs):
+    its tokens are the ones it decodes alone (fp32), and the ones AR sampling gives with the
+    same seed."""
     import random
 
     from dflash.corpus import CorpusIndex
@@ -381,14 +432,27 @@ def test_seeded_request_decodes_the_same_alone_and_in_any_batch(tiny, rule, with
     corpus = CorpusIndex.from_segments([[rng.randrange(V) for _ in range(10)] for _ in range(12)], V, num_tokens=3)
     dec = SpeculativeDecoder(target, drafter if with_drafter else None, verify=rule, corpus=corpus,
                              lookup=LookupConfig(num_tokens=5, max_ngram=3, min_ngram=2),
-                             tree=TreeConfig(max_nodes=9, first_candidates=2) if tree else None)
+                             tree=TreeConfig(max_nodes=9, first_candidates=2) if tree else None, adaptive=adaptive)
+    ar = SpeculativeDecoder(target)
     others = [[4], [0, 5, 2, 2, 1, 3, 0, 4], [3, 3, 3], [1, 2, 3, 1, 2], [2, 0]]
     other_params = [SamplingParams(20, temperature=t, seed=100 + i) for i, t in enumerate([1.0, 0.0, 1.5, 0.7, 1.0])]
+    other_params[3] = SamplingParams(20, temperature=0.7)  # an unseeded row: the rejection rule beside
     for seed in range(8):
         sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed)
         alone = dec.generate([PROMPT], [sp])[0]
         batched = dec.generate(others[:2] + [PROMPT] + others[2:], other_params[:2] + [sp] + other_params[2:])[2]
         assert batched.output_ids == alone.output_ids, f"seed {seed}"
-        assert batched.stats.acceptance_lengths == alone.stats.acceptance_lengths
+        assert ar.generate([PROMPT], [sp])[0].output_ids == alone.output_ids, f"seed {seed}: not AR's text"
+        if not adaptive:  # pinned: the row's own guesses too; adaptive widths follow the batch
+            assert batched.stats.acceptance_lengths == alone.stats.acceptance_lengths
     widths = {n for r in [alone, batched] for n in r.stats.acceptance_lengths}
-    assert max(widths) > 1 and (batched.stats.lookup_cycles or batched.stats.corpus_cycles)
+    assert max(widths) > 1 and (batched.stats.lookup_cycles or batched.stats.corpus_cycles or with_drafter)
+
+
+def test_seeded_rows_keep_the_target_law(tiny):
+    """Seeded T=1 rows under verify="rejection" verify by the match rule with uniforms indexed
+    by output position: still the target's law (and drafts accepted)."""
+    target, drafter = tiny
+    dec = SpeculativeDecoder(target, drafter, verify="rejection")
+    out = _decode_in_target_law(dec, 6000, seed0=60_000, seeded=True)
+    assert sum(a - 1 for r in out for a in r.stats.acceptance_lengths) > 600
