@@ -48,8 +48,9 @@ def main() -> None:
 
     import ray
 
-    from pipelines.distill import DistillConfig, inspect_target, plan_samples, run_distill
     from dflash.regenerate import chat_prompt_ids
+    from pipelines.distill import DistillConfig, inspect_target, plan_samples, run_distill
+    from pipelines.ray_session import init_ray
 
     out = tempfile.mkdtemp(prefix="bench-distill-")
     cfg = DistillConfig(limit=args.limit, max_new_tokens=args.max_new_tokens, max_turns=1, max_seq_len=1024,
@@ -63,8 +64,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     base_tokens, base_s = baseline(prompts, args.max_new_tokens)
 
-    ray.init(address="local", num_cpus=args.actors, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    init_ray("local", num_cpus=args.actors, log_to_driver=False)
     try:
         t0 = time.perf_counter()
         summary = run_distill(cfg)

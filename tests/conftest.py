@@ -47,20 +47,12 @@ def target_bf16():
 def start_local_ray():
     """The one local Ray session of the test run (restarted if a test had to shut it down,
     e.g. to build a multi-node ray.cluster_utils.Cluster)."""
-    import ray
+    from pipelines.ray_session import init_ray
 
-    if not ray.is_initialized():
-        ray.init(
-            address="local",
-            num_cpus=4,  # logical CPUs: actors ask for fractions of these
-            include_dashboard=False,
-            _temp_dir=_RAY_TMP,
-            object_store_memory=int(1e9),
-            log_to_driver=False,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                                      "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}},
-        )
-    return ray
+    return init_ray("local",
+                    num_cpus=4,  # logical CPUs: actors ask for fractions of these
+                    _temp_dir=_RAY_TMP, object_store_memory=int(1e9), log_to_driver=False,
+                    env_vars={"DS_ACCELERATOR": "cpu"})
 
 
 @pytest.fixture
