@@ -179,6 +179,9 @@ class ReplicaMetrics:
         self.verify_time = Histogram("dflash_verify_time_s", "Verify pass time per step", boundaries=seconds)
         self.batch_hist = Histogram("dflash_step_batch_size", "Rows per speculative step",
                                     boundaries=[1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5])
+        self.width = Histogram("dflash_verify_width", "Verify width chosen per step (1: a plain AR step)",
+                               boundaries=[i + 0.5 for i in range(1, max(block_size, 2))])
+        self.prefill_tokens = Counter("dflash_prefill_tokens", "Prompt tokens prefilled (in chunks between steps)")
         self.batch_size = Gauge("dflash_batch_size", "Rows in the running batch")
         self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for a batch slot")
         self.latency = Histogram("dflash_request_latency_s", "End-to-end generation time",
@@ -193,8 +196,11 @@ class ReplicaMetrics:
             self.batch_hist.observe(r.batch_size)
             self.draft_time.observe(r.draft_time_s)
             self.verify_time.observe(r.verify_time_s)
+            self.width.observe(r.width)
             for n in r.acceptance_lengths:
                 self.acceptance.observe(n)
+        if r.prefill_tokens:
+            self.prefill_tokens.inc(r.prefill_tokens)
 
 
 @serve.deployment

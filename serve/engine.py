@@ -1,8 +1,12 @@
 """Continuous batching around SpeculativeDecoder: requests join and leave between steps.
 
 One asyncio task owns the decoder and the running batch. Each iteration:
-  1. admit   waiting requests, up to max_batch_size in flight: prefill them as one batch
-             (each emits its first token) and merge them into the running batch;
+  1. admit   waiting requests, up to max_batch_size in flight (running or prefilling), each
+             as a chunked prefill (dflash.decoding.Prefill); run at most prefill_chunk_tokens
+             prompt tokens of them, oldest first; a request whose prefill completes emits its
+             first token and merges into the running batch. A long prompt thus prefills over
+             many iterations while the running rows keep decoding, and a request cancelled
+             mid-prefill is dropped before its next chunk;
   2. cancel  requests whose client left or whose stop string matched: finish_reason set,
              then drop_finished removes their rows;
   3. step    one speculative cycle for every row (ragged acceptance per row);
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from dflash.batch import DecodeBatch, Request, merge
-from dflash.decoding import SpeculativeDecoder
+from dflash.decoding import Prefill, SpeculativeDecoder
 from dflash.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,8 @@ class StepReport:
     verify_time_s: float
     acceptance_lengths: list[int]  # accepted + 1, one per row
     tokens: int  # tokens emitted by this iteration (first tokens of admitted ones included)
+    width: int = 0  # the step's verify width (adaptive width: the one the policy chose; 0: no step)
+    prefill_tokens: int = 0  # prompt tokens prefilled by this iteration
 
 
 @dataclass
@@ -92,9 +98,13 @@ class BatchingEngine:
     """Owns a SpeculativeDecoder; decodes every submitted request in shared batched steps."""
 
     def __init__(self, decoder: SpeculativeDecoder, max_batch_size: int = 8,
-                 context_budget: int | None = None, on_step: Callable[[StepReport], None] | None = None):
+                 context_budget: int | None = None, on_step: Callable[[StepReport], None] | None = None,
+                 prefill_chunk_tokens: int = 256):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # prompt tokens per iteration, between decode steps
         self.decoder = decoder
         self.max_batch_size = max_batch_size
         self.context_budget = min(context_budget or decoder.max_positions, decoder.max_positions)
@@ -102,6 +112,7 @@ class BatchingEngine:
         self.counters = EngineCounters()
         self._waiting: deque[Generation] = deque()
         self._running: list[Generation] = []  # row order of self._batch.requests
+        self._prefilling: list[tuple[Generation, Prefill]] = []  # admitted, oldest first
         self._batch: DecodeBatch | None = None
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -162,9 +173,13 @@ class BatchingEngine:
             gen.events.put_nowait(error)
         gen.events.put_nowait(None)
 
+    @property
+    def num_prefilling(self) -> int:
+        return len(self._prefilling)
+
     def _admit_now(self) -> list[Generation]:
         admitted = []
-        while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
+        while self._waiting and len(self._running) + len(self._prefilling) + len(admitted) < self.max_batch_size:
             gen = self._waiting.popleft()
             if gen.cancel_reason is not None:  # left before it started
                 self._finish(gen, gen.cancel_reason)
@@ -172,9 +187,39 @@ class BatchingEngine:
                 admitted.append(gen)
         return admitted
 
-    def _prefill_and_merge(self, admitted: list[Generation]) -> DecodeBatch:
-        new = self.decoder.prefill([g.prompt_ids for g in admitted], [g.params for g in admitted])
-        return new if self._batch is None else merge(self._batch, new)
+    def _prefill_some(self) -> tuple[list[Generation], list[tuple[Generation, Exception]], int]:
+        """Up to prefill_chunk_tokens prompt tokens of the prefills, oldest first (in a worker
+        thread); the completed ones are merged into the batch.
+        -> (completed, failed with their error, prompt tokens run)."""
+        budget, done, failed = self.prefill_chunk_tokens, [], []
+        while self._prefilling and budget > 0:
+            gen, pf = self._prefilling[0]
+            spend = min(budget, pf.remaining_tokens)
+            try:
+                new = pf.advance(budget)
+                budget -= spend
+                if new is None:
+                    break
+                merged = new if self._batch is None else merge(self._batch, new)
+            except Exception as e:  # a bad prompt must not wedge the replica
+                log.exception("prefill failed")
+                self._prefilling.pop(0)
+                failed.append((gen, e))
+                continue
+            self._prefilling.pop(0)
+            self._batch = merged
+            gen.request = new.requests[0]
+            done.append(gen)
+        return done, failed, self.prefill_chunk_tokens - budget
+
+    def _drop_cancelled_prefills(self) -> None:
+        still = []
+        for gen, pf in self._prefilling:
+            if gen.cancel_reason is not None:  # left mid-prefill: no more chunks for it
+                self._finish(gen, gen.cancel_reason)
+            else:
+                still.append((gen, pf))
+        self._prefilling = still
 
     def _drop_finished(self) -> None:
         """Apply cancellations, remove finished rows, close their generations."""
@@ -199,30 +244,31 @@ class BatchingEngine:
 
     async def _loop(self) -> None:
         while True:
-            if not self._running and not self._waiting:
+            if not self._running and not self._waiting and not self._prefilling:
                 if self._reported_rows:  # going idle: the batch-size gauge must read 0, not the last batch
                     self._report(0, 0, 0.0, 0.0, [], 0)
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            tokens = 0
+            tokens = prefilled = 0
             admitted = self._admit_now()
-            if admitted:
+            for gen in admitted:
                 try:
-                    self._batch = await asyncio.to_thread(self._prefill_and_merge, admitted)
-                except Exception as e:  # a bad batch must not wedge the replica
-                    log.exception("prefill failed")
-                    for gen in admitted:
-                        self._finish(gen, "abort", RuntimeError(f"prefill failed: {e}"))
-                    continue
-                for gen, req in zip(admitted, self._batch.requests[len(self._running):]):
-                    gen.request = req
-                    gen.events.put_nowait(list(req.output_ids))
-                    tokens += len(req.output_ids)
-                self._running += admitted
+                    self._prefilling.append((gen, self.decoder.start_prefill([gen.prompt_ids], [gen.params])))
+                except ValueError as e:
+                    self._finish(gen, "abort", RuntimeError(f"prefill failed: {e}"))
+            self._drop_cancelled_prefills()
+            if self._prefilling:
+                completed, failed, prefilled = await asyncio.to_thread(self._prefill_some)
+                for gen, e in failed:
+                    self._finish(gen, "abort", RuntimeError(f"prefill failed: {e}"))
+                for gen in completed:
+                    gen.events.put_nowait(list(gen.request.output_ids))
+                    tokens += len(gen.request.output_ids)
+                self._running += completed
             self._drop_finished()
             if not self._running:
-                self._report(0, len(admitted), 0.0, 0.0, [], tokens)
+                self._report(0, len(admitted), 0.0, 0.0, [], tokens, prefilled=prefilled)
                 continue
             first = self._batch.requests[0].stats
             draft0, verify0 = first.draft_time_s, first.verify_time_s
@@ -243,13 +289,14 @@ class BatchingEngine:
             self.counters.steps += 1
             self.counters.max_batch_size_seen = max(self.counters.max_batch_size_seen, rows)
             self._report(rows, len(admitted), first.draft_time_s - draft0, first.verify_time_s - verify0,
-                         acceptance, tokens)
+                         acceptance, tokens, first.verify_widths[-1], prefilled)
             self._drop_finished()
 
-    def _report(self, rows, admitted, draft_s, verify_s, acceptance, tokens) -> None:
+    def _report(self, rows, admitted, draft_s, verify_s, acceptance, tokens, width=0, prefilled=0) -> None:
         self._reported_rows = rows
         if self.on_step is not None:
             try:
-                self.on_step(StepReport(rows, len(self._waiting), admitted, draft_s, verify_s, acceptance, tokens))
+                self.on_step(StepReport(rows, len(self._waiting), admitted, draft_s, verify_s, acceptance, tokens,
+                                        width, prefilled))
             except Exception:  # metrics must never stop decoding
                 log.exception("on_step callback failed")

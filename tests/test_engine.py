@@ -1,0 +1,75 @@
+"""The batching engine's chunked prefill (serve/engine.py, plain asyncio, no Ray, no HTTP):
+a long prompt prefills a chunk per iteration while running rows keep decoding, and a
+request cancelled mid-prefill stops prefilling and frees the engine."""
+
+import asyncio
+import time
+
+from dflash.decoding import SpeculativeDecoder
+from dflash.sampling import SamplingParams
+from serve.engine import BatchingEngine
+from support import hf_greedy
+
+LONG_TOKENS = 600
+
+
+def _long_prompt(target) -> list[int]:
+    text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(200))
+    ids = target.tokenizer(text, add_special_tokens=False)["input_ids"][:LONG_TOKENS]
+    assert len(ids) == LONG_TOKENS
+    return ids
+
+
+def test_short_request_keeps_streaming_while_a_long_prompt_prefills(target_fp32):
+    short = target_fp32.chat_ids([{"role": "user", "content": "Give me a Python function that reverses a string."}])
+    long = _long_prompt(target_fp32)
+    reports = []
+
+    async def run():
+        engine = BatchingEngine(SpeculativeDecoder(target_fp32), max_batch_size=4, on_step=reports.append,
+                                prefill_chunk_tokens=32)
+        s = engine.submit(short, SamplingParams(max_new_tokens=40))
+        stream, long_first = [], None
+        l_gen = None
+        async for toks in s.tokens():
+            stream.append((time.perf_counter(), len(toks)))
+            if l_gen is None:  # the short one runs: now the long prompt arrives
+                l_gen = engine.submit(long, SamplingParams(max_new_tokens=2))
+        async for toks in l_gen.tokens():
+            long_first = long_first or time.perf_counter()
+        await engine.close()
+        return s, l_gen, stream, long_first
+
+    s, l_gen, stream, long_first = asyncio.run(run())
+    assert s.request.output_ids == hf_greedy(target_fp32, short, 40)  # exact beside the chunks
+    assert sum(n for _, n in stream) == len(s.request.output_ids) >= 30
+    before_long = sum(n for t, n in stream if t < long_first)
+    assert before_long >= 15, f"only {before_long} short tokens before the long prompt's first"
+    assert l_gen.request.output_ids == hf_greedy(target_fp32, long, 2)  # chunked prefill is exact
+    prefill_iterations = [r for r in reports if r.prefill_tokens]
+    assert max(r.prefill_tokens for r in reports) <= 32 and len(prefill_iterations) >= LONG_TOKENS // 32
+    assert any(r.prefill_tokens and r.batch_size for r in reports)  # decode steps between the chunks
+
+
+def test_cancelled_long_prefill_frees_the_engine(target_fp32):
+    long = _long_prompt(target_fp32)
+    short = target_fp32.chat_ids([{"role": "user", "content": "What is 2+2?"}])
+    reports = []
+
+    async def run():
+        engine = BatchingEngine(SpeculativeDecoder(target_fp32), max_batch_size=1, on_step=reports.append,
+                                prefill_chunk_tokens=32)
+        l_gen = engine.submit(long, SamplingParams(max_new_tokens=4))
+        while not any(r.prefill_tokens for r in reports):  # the first chunk ran
+            await asyncio.sleep(0.01)
+        engine.cancel(l_gen)
+        s = engine.submit(short, SamplingParams(max_new_tokens=8))  # max_batch_size 1: waits for the slot
+        out = [t async for toks in s.tokens() for t in toks]
+        await engine.close()
+        return l_gen, s, out, engine
+
+    l_gen, s, out, engine = asyncio.run(run())
+    assert l_gen.finish_reason == "abort" and l_gen.request is None  # never finished its prefill
+    assert out == hf_greedy(target_fp32, short, 8)
+    assert sum(r.prefill_tokens for r in reports) < LONG_TOKENS // 2  # the rest of the long prompt never ran
+    assert engine.num_prefilling == engine.num_running == engine.num_waiting == 0
