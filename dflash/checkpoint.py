@@ -213,7 +213,7 @@ def _draft_vocab(path: Path, cfg: DrafterConfig, state: dict, target) -> torch.T
         n = cfg.vocab_size if rows is None else k
         if copy.shape != (n, cfg.hidden_size):
             raise CheckpointError(f"{path}: {name} {tuple(copy.shape)} should be ({n}, {cfg.hidden_size})")
-        if target is not None:
+        if getattr(target, "model", None) is not None:  # a loaded Target (a TargetInfo has no weights)
             module = target.model.lm_head if name == HEAD else target.model.get_input_embeddings()
             _check_target_copy(path, name, copy, module.weight, rows)
     return None if ids is None else ids.sort().values
