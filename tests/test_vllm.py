@@ -62,9 +62,12 @@ def case(vllm_venv, target_fp32, trained, tmp_path_factory):
 
 
 def ours(target, drafter_dir, block, prompts):
-    """Our decoder with the drafter alone (no lookup, no corpus): tau and per-position rates."""
+    """Our decoder with the drafter alone (no lookup, no corpus, pinned width): outputs, tau and
+    per-position rates."""
     drafter = load_drafter(drafter_dir, target=target, dtype="fp32")
-    out = SpeculativeDecoder(target, drafter, block_size=block).generate(prompts, SamplingParams(NEW_TOKENS))
+    # pinned width: every cycle drafts and verifies the whole block, as vLLM's dflash does
+    decoder = SpeculativeDecoder(target, drafter, block_size=block, adaptive=False)
+    out = decoder.generate(prompts, SamplingParams(NEW_TOKENS))
     lengths = [n for r in out for n in r.stats.acceptance_lengths]
     return [r.output_ids for r in out], sum(lengths) / len(lengths), acceptance_by_position(lengths, block)
 
