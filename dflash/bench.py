@@ -4,8 +4,10 @@ Both run in the same process, on the same prompts, one prompt at a time (latency
 regime speculative decoding is for), after a warm-up; transformers' prompt-lookup decoding
 (n-gram drafts copied from the prompt) can run beside them as a peer baseline, and with
 context lookup on, DFlash without it as the ablation. Reported per run: tau, acceptance
-histogram and acceptance by draft position, tokens/s of each, speedup, the cycle cost in AR
-steps, the exact-match rate against AR, and `lossless`:
+histogram and acceptance by draft position (overall, and per guess source), tokens/s of
+each, speedup, the cycle cost in AR steps, the exact-match rate against AR, the verify widths
+chosen (adaptive width, dflash.width) with the measured cost curve behind them (a width-W
+verify in one-token steps, batch 1), the CPU it ran on, and `lossless`:
   fp32 greedy  every DFlash output equals the AR output token for token;
   bf16 greedy  every emitted token is the target's argmax given the emitted prefix, up to
                `margin` logits, re-scored with one teacher-forced pass (a multi-token verify
@@ -15,8 +17,10 @@ steps, the exact-match rate against AR, and `lossless`:
 
 from __future__ import annotations
 
+import platform
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -54,6 +58,29 @@ def acceptance_by_position(histogram: list[int]) -> list[float | None]:
     return rates
 
 
+def cpu_description(cpuinfo: str | None = None) -> dict:
+    """The CPU's model name (what lscpu prints) and whether it computes bf16 natively."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model, flags = platform.processor() or platform.machine(), set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            model = value.strip()
+        elif key.strip() == "flags":
+            flags |= set(value.split())
+    return {"model": model, "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
+            "avx512f": "avx512f" in flags}
+
+
+def measured_rates(tried: list[int], accepted: list[int]) -> list[float | None]:
+    """Per draft position: accepted / tried (None where never tried)."""
+    return [round(a / t, 4) if t else None for t, a in zip(tried, accepted)]
+
+
 def _prompt_lookup(target: Target, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
                    top_p: float = 1.0, seed: int = 0) -> tuple[list[int], float]:
     """transformers' prompt-lookup decoding (n-gram drafts from the prompt): a peer baseline.
@@ -66,6 +93,14 @@ def _prompt_lookup(target: Target, prompt: list[int], max_new_tokens: int, tempe
                                 prompt_lookup_num_tokens=10, eos_token_id=target.stop_token_ids,
                                 pad_token_id=target.stop_token_ids[0] if target.stop_token_ids else 0, **sampling)
     return out[0, len(prompt):].tolist(), time.perf_counter() - t0
+
+
+def _cost_curve(decoder: SpeculativeDecoder) -> list[float] | None:
+    """verify(1, W) / verify(1, 1) for W = 1 .. max_width from the decoder's cost model."""
+    if decoder.policy is None:
+        return None
+    curve = decoder.policy.costs.curve(1, range(1, decoder.max_width + 1))
+    return [curve[w] for w in sorted(curve)] if curve else None
 
 
 def fp32_exact_check(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int) -> bool:
@@ -97,7 +132,8 @@ def run_bench(
     (the ablation, `drafter_only_*` fields)."""
     target, drafter, spec = decoder.target, decoder.drafter, decoder
     ar = SpeculativeDecoder(target)
-    alone = (SpeculativeDecoder(target, drafter, verify=spec.verify, block_size=spec.block_size)
+    alone = (SpeculativeDecoder(target, drafter, verify=spec.verify, block_size=spec.block_size,
+                                adaptive=spec.policy is not None)
              if drafter_only and (spec.lookup or spec.corpus) else None)
     lookup, corpus, tree = spec.lookup, spec.corpus, spec.tree
     B = spec.block_size
@@ -114,6 +150,9 @@ def run_bench(
     ar_time = spec_time = pl_time = draft_time = verify_time = 0.0
     hist = [0] * spec.max_width
     accept_lengths: list[int] = []
+    widths = [0] * spec.max_width  # widths[W-1] = cycles that verified W tokens
+    tried: dict[str, list[int]] = {}
+    accepted: dict[str, list[int]] = {}
     lookup_cycles = corpus_cycles = alone_tokens = 0
     alone_time = 0.0
     alone_lengths: list[int] = []
@@ -135,6 +174,11 @@ def run_bench(
         corpus_cycles += d.stats.corpus_cycles
         for k, c in enumerate(d.stats.histogram()):
             hist[k] += c
+        for w in d.stats.verify_widths:
+            widths[min(w, spec.max_width) - 1] += 1
+        for src, counts in d.stats.tried.items():
+            tried[src] = [a + b for a, b in zip(tried.get(src, [0] * len(counts)), counts)]
+            accepted[src] = [a + b for a, b in zip(accepted.get(src, [0] * len(counts)), d.stats.accepted[src])]
         same = a.output_ids == d.output_ids
         exact += same
         if temperature == 0 and not same:
@@ -181,6 +225,14 @@ def run_bench(
         "tau": round(tau, 4),
         "acceptance_histogram": hist,
         "acceptance_by_position": [None if p is None else round(p, 4) for p in acceptance_by_position(hist)],
+        # per guess source: accepted / scored at each draft position, over the guesses verified
+        "acceptance_by_source": {src: measured_rates(tried[src], accepted[src]) for src in sorted(tried)},
+        "width": "adaptive" if spec.policy is not None else "pinned",
+        "verify_width_histogram": widths,  # [W-1] = cycles that verified W tokens
+        "mean_verify_width": round(sum((w + 1) * c for w, c in enumerate(widths)) / max(1, sum(widths)), 3),
+        # a width-W verify's measured cost in one-token steps at batch 1 (index W-1)
+        "verify_cost_curve": _cost_curve(spec),
+        "cpu": cpu_description() if str(target.device) == "cpu" else None,
         "ar_tokens_per_s": round(ar_tps, 3),
         "dflash_tokens_per_s": round(spec_tps, 3),
         "speedup": round(spec_tps / ar_tps, 4) if ar_tps else 0.0,

@@ -178,7 +178,7 @@ class SpeculativeDecoder:
         block = torch.full((b, B), self.mask_token_id, dtype=torch.long, device=self.device)
         block[:, 0] = batch.anchor
         positions = batch.next_pos[:, None] + torch.arange(B, device=self.device)
-        hidden = self.drafter(self.target.embed(block), positions, batch.context,
+        hidden = self.drafter(self.drafter.embed_block(self.target.embed, block), positions, batch.context,
                               extend_attention_mask(batch.slot_valid, B, causal=False))
         return self.head.logits(hidden[:, 1:])
 

@@ -61,8 +61,8 @@ def drafter_training_hidden(
     context = drafter.context_kv(taps.masked_fill(~context_valid[..., None], 0), positions)
     ids = block_input_ids(input_ids, anchors, B, cfg.mask_token_id)
     mask = training_attention_mask(anchors, context_valid, B)
-    with torch.no_grad():
-        emb = embed(ids)
+    with torch.no_grad():  # the target's frozen embedding (and an imported drafter's mask embedding)
+        emb = drafter.embed_block(embed, ids)
     hidden = drafter(emb, block_positions(anchors, B), context, mask)
     return hidden.view(b, anchors.shape[1], B, -1)
 

@@ -108,7 +108,7 @@ def cmd_generate(args) -> int:
         print(text)
         s = req.stats
         print(f"\n[{s.generated_tokens} tokens, {s.to_dict()['tokens_per_s']} tok/s, tau {s.tau:.2f}, "
-              f"finish {req.finish_reason}]", file=sys.stderr)
+              f"mean verify width {s.to_dict()['mean_verify_width']}, finish {req.finish_reason}]", file=sys.stderr)
     return 0
 
 
@@ -157,6 +157,13 @@ def cmd_bench(args) -> int:
         raise UserError("bench compares DFlash with AR: it needs a drafter (a directory, 'default' or 'random')")
     dtype = str(target.dtype).removeprefix("torch.")
     print(f"[bench] dtype {args.dtype} -> {dtype}: {pair.dtype_reason}", file=sys.stderr)
+    if args.device == "cpu":
+        from dflash.bench import cpu_description
+
+        cpu = cpu_description()
+        print(f"[bench] CPU {cpu['model']}: avx512_bf16 {cpu['avx512_bf16']}, amx_bf16 {cpu['amx_bf16']}",
+              file=sys.stderr)
+    print(f"[bench] width: {'pinned at ' + str(args.block_size) if args.block_size else 'adaptive'}", file=sys.stderr)
     results = []
     for name, convs in sets:
         convs = convs[: args.limit] if args.limit else convs
@@ -176,6 +183,14 @@ def cmd_bench(args) -> int:
                 raise UserError(f"{name}: {e}") from e
             results.append({"dataset": name, "target": target.target_id, "drafter": pair.drafter_source,
                             "dtype": dtype, "dtype_reason": pair.dtype_reason, **r})
+            if args.vllm and temp == 0:
+                results[-1]["vllm"] = _vllm_peer(args, pair, prompts, dtype)
+            if r["verify_cost_curve"]:
+                print(f"[bench {name} T={temp:g}] verify cost in AR steps by width (batch 1): "
+                      + " ".join(f"{w}:{c:.2f}" for w, c in enumerate(r["verify_cost_curve"], 1)), file=sys.stderr)
+            print(f"[bench {name} T={temp:g}] cycles by verify width: "
+                  + " ".join(f"{w}:{c}" for w, c in enumerate(r["verify_width_histogram"], 1) if c)
+                  + f"; acceptance by position {r['acceptance_by_source']}", file=sys.stderr)
     table = markdown_table(results)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -185,11 +200,43 @@ def cmd_bench(args) -> int:
         files = write_bench_report(results, args.out)
         print(f"[bench] wrote {', '.join(files.values())}", file=sys.stderr)
     print(table, file=sys.stderr)
-    keys = ("dataset", "temperature", "tau", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
+    keys = ("dataset", "temperature", "tau", "mean_verify_width", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
             "lookup_cycle_fraction", "corpus_cycle_fraction", "drafter_only_speedup", "prompt_lookup_speedup", "exact_match_rate", "lossless")
     rows = [{k: r.get(k) for k in keys} for r in results]
     print(json.dumps(rows if len(rows) > 1 else rows[0]))
     return 0
+
+
+def _vllm_peer(args, pair, prompts: list[list[int]], dtype: str) -> dict:
+    """vLLM AR and vLLM DFlash with the same drafter and block on the same prompts (greedy,
+    one request at a time, its own venv: jobs/vllm_peer.py): tokens/s, speedup over vLLM's
+    own AR, tau and acceptance by position as vLLM counts them, start-up time."""
+    from jobs.vllm_peer import VllmUnavailable, run_vllm_many
+
+    if pair.drafter_source in (None, "random"):
+        raise UserError("--vllm needs a drafter directory vLLM can load (not 'random')")
+    block = pair.decoder.block_size
+    runs = [{"name": "ar"}, {"name": "dflash", "drafter": pair.drafter_source, "block": block}]
+    print(f"[bench] vLLM peer: AR and DFlash at block {block}, {len(prompts)} prompts", file=sys.stderr, flush=True)
+    try:
+        report = run_vllm_many(args.target, runs, prompts, args.max_new_tokens, dtype=dtype,
+                               stop_token_ids=pair.target.stop_token_ids, sequential=True, threads=args.threads or 2)
+    except VllmUnavailable as e:
+        raise UserError(str(e)) from e
+    ar, spec = report["runs"]
+    s = spec["spec"]
+    drafts = s.get("num_drafts") or 0
+    by_pos = [a / drafts if drafts else None for a in s.get("accepted_per_pos", [])]
+    # P(accepted | every draft before it accepted), as dflash.bench reports ours
+    conditional = [b / a if a and b is not None else None for a, b in zip([1.0] + by_pos, by_pos)]
+    row = {"version": report["vllm_version"], "block": block, "ar_tokens_per_s": ar["tokens_per_s"],
+           "dflash_tokens_per_s": spec["tokens_per_s"],
+           "speedup": round(spec["tokens_per_s"] / ar["tokens_per_s"], 3) if ar["tokens_per_s"] else None,
+           "tau": s.get("tau"), "acceptance_by_position": [round(c, 3) if c is not None else None for c in conditional],
+           "startup_s": {"ar": ar["startup_s"], "dflash": spec["startup_s"]}}
+    print(f"[bench] vLLM {row['version']}: AR {row['ar_tokens_per_s']:.1f} tok/s, DFlash {row['dflash_tokens_per_s']:.1f} "
+          f"tok/s = {row['speedup']}x, tau {row['tau']}", file=sys.stderr)
+    return row
 
 
 # --- config-driven stages ---------------------------------------------------------------
@@ -271,15 +318,22 @@ def cmd_corpus(args) -> int:
 
 
 def cmd_export(args) -> int:
+    """A training run -> a drafter directory; or a drafter directory -> another format."""
+    from dflash.export_formats import convert_drafter
+
+    src = Path(args.run_dir)
     try:
-        from pipelines.train import export_run
-    except ImportError as e:
-        raise UserError(f"training stage is not available: {e}") from e
-    try:
-        out = export_run(args.run_dir, args.out_dir)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        if (src / "config.json").is_file():  # a drafter directory: convert it
+            out = convert_drafter(src, args.out_dir, args.format, overwrite=args.overwrite)
+        else:  # a training run: consolidate its latest checkpoint (vLLM's layout), then convert
+            from pipelines.export import export_run
+
+            out = export_run(src, args.out_dir, overwrite=args.overwrite)
+            if args.format != "vllm":
+                convert_drafter(out, out, args.format)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:  # CheckpointError is a ValueError
         raise UserError(str(e)) from e
-    print(json.dumps({"exported": str(out)}))
+    print(json.dumps({"exported": str(out), "format": args.format}))
     return 0
 
 
@@ -303,8 +357,10 @@ def _decode_flags(p):
     p.add_argument("--verify", default="rejection", choices=["rejection", "match"],
                    help="lossless rule at temperature > 0")
     p.add_argument("--block-size", type=int, default=0,
-                   help="tokens a drafter cycle verifies, 2..the block the drafter was trained on "
-                        "(default 0: the drafter's decode block)")
+                   help="pin the width: every drafter cycle verifies this many tokens, 2..the block the drafter "
+                        "was trained on (experiments). Default 0: adaptive width - each cycle verifies the width "
+                        "(1 = a plain AR step .. the drafter's decode block, or a copy's length) that the measured "
+                        "verify cost on this machine and the recent acceptance say pays best")
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                    help="context lookup (with a drafter; default on): a sequence whose last 2-3 tokens occurred "
                         "earlier drafts the tokens that followed them instead of the drafter's (lossless)")
@@ -321,6 +377,8 @@ def _decode_flags(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dflash.export_formats import FORMATS
+
     parser = argparse.ArgumentParser(prog="dflash", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -345,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default: --temperature "
                    "if given, else both 0 and 1)")
     p.set_defaults(temperature=None)
+    p.add_argument("--vllm", action="store_true",
+                   help="also run vLLM AR and vLLM DFlash with the same drafter and block on the same prompts "
+                        "(T=0 runs; needs .venv-vllm: `make vllm-venv`); reported under each run's 'vllm'")
     p.add_argument("--json", default=None, help="write the full result here")
     p.add_argument("--out", default=None, help="directory for bench.json, bench.md and PNG plots")
     p.add_argument("--overwrite", action="store_true")
@@ -365,9 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=cmd_corpus)
 
-    p = sub.add_parser("export", help="consolidate a training run into a drafter directory")
-    p.add_argument("run_dir")
+    p = sub.add_parser("export", help="consolidate a training run into a drafter directory, or convert a "
+                                      "drafter directory to another engine's format")
+    p.add_argument("run_dir", help="a training run (dflash train's run directory), or a drafter directory")
     p.add_argument("out_dir")
+    p.add_argument("--format", default="vllm", choices=FORMATS,
+                   help="vllm (default): a reduced draft vocabulary as vLLM stores it (draft_vocab_size, d2t, "
+                        "lm_head.weight); sglang / full: no draft vocabulary, the target's own head")
+    p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=cmd_export)
 
     return parser

@@ -19,10 +19,10 @@ def _pyplot():
 def markdown_table(results: list[dict]) -> str:
     """One row per (dataset, temperature). "copied" and "corpus" are the fractions of cycles
     that drafted by context lookup and by corpus lookup; "drafter only" the ablation without
-    either (tau, speedup)."""
-    head = ("| dataset | T | prompts | tau | AR tok/s | DFlash tok/s | speedup | copied | corpus | drafter only "
+    either (tau, speedup); "width" the mean verify width and whether it was adaptive or pinned."""
+    head = ("| dataset | T | prompts | tau | width | AR tok/s | DFlash tok/s | speedup | copied | corpus | drafter only "
             "| prompt-lookup speedup | exact match | lossless |")
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for r in results:
         pl = r.get("prompt_lookup_speedup")
         alone = (f"{r['drafter_only_tau']:.2f}, {r['drafter_only_speedup']:.2f}x"
@@ -30,8 +30,9 @@ def markdown_table(results: list[dict]) -> str:
         copied = f"{r['lookup_cycle_fraction']:.2f}" if r.get("lookup") else "-"
         corpus = f"{r['corpus_cycle_fraction']:.2f}" if r.get("corpus") else "-"
         lossless = {True: "yes", False: "NO", None: "n/a (T>0)"}[r["lossless"]]
+        width = f"{r['mean_verify_width']:.2f} {r['width']}" if r.get("width") else "-"
         lines.append(
-            f"| {r['dataset']} | {r['temperature']:g} | {r['num_prompts']} | {r['tau']:.2f} | "
+            f"| {r['dataset']} | {r['temperature']:g} | {r['num_prompts']} | {r['tau']:.2f} | {width} | "
             f"{r['ar_tokens_per_s']:.1f} | {r['dflash_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {copied} | {corpus} | {alone} | "
             f"{'-' if pl is None else f'{pl:.2f}x'} | {r['exact_match_rate']:.2f} | {lossless} |")
     return "\n".join(lines) + "\n"

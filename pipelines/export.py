@@ -54,7 +54,13 @@ def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", ov
     drafter = DFlashDrafter(DrafterConfig.from_hf_dict(state["drafter_config"]))
     drafter.load_state_dict(weights, strict=True)
     fold_tap_scale(drafter, full.get("tap_scale"))
+    head = None
+    if drafter.draft_vocab is not None:  # vLLM's layout stores the target head's rows for the draft vocabulary
+        from dflash.target import load_target
+
+        head = load_target(state["train_config"]["target"], dtype="fp32").model.lm_head.weight
     if out.exists():
         shutil.rmtree(out)
     meta = {"step": state["step"], "checkpoint": str(ckpt), "train_config": state["train_config"]}
-    return save_drafter(drafter, out, dtype=dtype, extra_files={"training.json": json.dumps(meta, indent=1)})
+    return save_drafter(drafter, out, dtype=dtype, extra_files={"training.json": json.dumps(meta, indent=1)},
+                        lm_head_weight=head)

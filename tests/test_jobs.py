@@ -335,3 +335,22 @@ def test_demo_pipeline_at_reduced_size(ray_session, tmp_path, capsys):
     with pytest.raises(ValueError, match="holds a demo run made with other settings"):
         run_demo(DemoConfig(**{**cfg.__dict__, "train_steps": 4}))
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_export_converts_a_drafter_directory_between_engine_formats(capsys, tmp_path, target_fp32):
+    """`dflash export DRAFTER_DIR OUT --format sglang`: the shipped (vLLM-layout) drafter
+    without its draft vocabulary; an existing OUT is refused unless --overwrite."""
+    from dflash.checkpoint import load_drafter, reference_drafter_dir
+    from dflash.export_formats import drafter_layout
+
+    src = reference_drafter_dir(target_fp32.target_id)
+    assert drafter_layout(src) == "vllm"
+    rc, out, err = run_cli(capsys, "export", str(src), str(tmp_path / "sg"), "--format", "sglang")
+    assert rc == 0, err
+    assert json.loads(out) == {"exported": str(tmp_path / "sg"), "format": "sglang"}
+    assert drafter_layout(tmp_path / "sg") == "full"
+    assert load_drafter(tmp_path / "sg", target=target_fp32, dtype="fp32").draft_vocab is None
+    rc, _, err = run_cli(capsys, "export", str(src), str(tmp_path / "sg"), "--format", "vllm")
+    assert rc == 2 and "exists" in one_line_error(err, "export")
+    rc, _, err = run_cli(capsys, "export", str(src), str(tmp_path / "sg"), "--format", "vllm", "--overwrite")
+    assert rc == 0 and drafter_layout(tmp_path / "sg") == "vllm"
