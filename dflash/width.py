@@ -72,14 +72,27 @@ class CostModel:
     alpha: float = 0.1  # EMA weight of a new observation (the first one sets the value)
     seen: dict = field(default_factory=dict)  # (kind, b, w) -> [seconds, observations]
 
+    follow: float = 0.5  # how far a width's change moves the other widths seen at its (kind, b)
+
     def observe(self, kind: str, b: int, w: int, seconds: float) -> None:
+        """Update the EMA of (kind, b, w). The machine's load moves every width at once, and
+        a policy measures mostly the width it picks: the other widths seen at this (kind, b)
+        follow the change by the factor (new / old) ** follow, so a rarely chosen width is
+        not judged by a stale value from a busier (or quieter) moment."""
         entry = self.seen.setdefault((kind, b, w), [seconds, 0])
         entry[1] += 1
         a = max(self.alpha, 1.0 / entry[1])
+        old = entry[0]
         entry[0] += a * (seconds - entry[0])
+        if entry[1] > 1 and old > 0 and self.follow:
+            factor = (entry[0] / old) ** self.follow
+            for (k, bb, ww), other in self.seen.items():
+                if k == kind and bb == b and ww != w:
+                    other[0] *= factor
 
     def estimate(self, kind: str, b: int, w: int = 1) -> float | None:
-        """The EMA where (kind, b, w) was seen; else `tokens_curve` over tokens processed
+        """The EMA where (kind, b, w) was seen (at least that of any narrower width seen at
+        b); else `tokens_curve` over tokens processed
         (b * w) through every (b', w') seen, scaled by seen/curve at the nearest w' seen at
         this b. None when nothing of this kind was seen.
 
@@ -88,8 +101,8 @@ class CostModel:
         b = 2 the seen w = 1 (2 tokens, curve 12) measured 12, so the estimate stays 24 ms.
         """
         hit = self.seen.get((kind, b, w))
-        if hit is not None:
-            return hit[0]
+        if hit is not None:  # never below a narrower width seen at this b: noise, not a cheaper pass
+            return max([hit[0]] + [s for (k, bb, ww), (s, _) in self.seen.items() if k == kind and bb == b and ww < w])
         by_tokens: dict[int, list[float]] = {}
         for (k, bb, ww), (s, _) in self.seen.items():
             if k == kind:

@@ -138,3 +138,17 @@ def test_policy_goes_wide_on_good_copies_and_recovers_from_width_one():
         out.append(step + 1)
         policy.score(row, out)
     assert widths[15:20] == [1] * 5 and widths[-1] == 4, widths
+
+
+def test_cost_model_follows_the_load_and_never_makes_a_wider_pass_cheaper():
+    c = CostModel(alpha=0.5, follow=0.5)
+    for w, s in ((1, 0.010), (4, 0.012), (8, 0.014)):
+        c.observe("verify", 1, w, s)
+    c.observe("verify", 1, 4, 0.036)  # the machine got busy: EMA 0.024, twice the old value
+    assert c.estimate("verify", 1, 4) == pytest.approx(0.024)
+    assert c.estimate("verify", 1, 1) == pytest.approx(0.010 * 2 ** 0.5)  # the others follow part way
+    assert c.estimate("verify", 1, 8) == pytest.approx(max(0.014 * 2 ** 0.5, 0.024))  # >= the narrower 4
+    c2 = CostModel()
+    c2.observe("verify", 1, 1, 0.020)
+    c2.observe("verify", 1, 7, 0.015)  # measured cheaper than one token: noise
+    assert c2.estimate("verify", 1, 7) == 0.020
