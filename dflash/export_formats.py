@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dflash.checkpoint import (CONFIG_NAME, D2T, HEAD, MASK_EMBEDDING_NAME, OLD_VOCAB, WEIGHTS_NAME, CheckpointError,
+from dflash.checkpoint import (CONFIG_NAME, D2T, HEAD, MASK_EMBEDDING_NAME, OLD_VOCAB, WEIGHTS_NAME,
                                load_drafter, save_drafter)
 from dflash.drafter import DFlashDrafter
 from dflash.target import parse_dtype

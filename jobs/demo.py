@@ -285,6 +285,6 @@ def format_summary(s: dict) -> str:
               f"{text[:160]}{'...' if len(text) > 160 else ''}",
               f"files       {s['files']['bench']['table']}, {s['files']['bench']['acceptance_plot']}, "
               f"{s['files']['training_plot']}, {s['files']['summary']}",
-              f"time        " + ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in s["seconds"].items()),
+              "time        " + ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in s["seconds"].items()),
               "=" * 72]
     return "\n".join(lines)

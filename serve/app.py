@@ -34,12 +34,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
-from ray.serve.metrics import Counter, Gauge, Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve import protocol as P
 from serve.config import ServeConfig
-from serve.engine import BatchingEngine, ContextTooLong, Generation, StepReport
+from serve.engine import BatchingEngine, ContextTooLong, Generation
+from serve.metrics import ReplicaMetrics
+from serve.text import IncrementalText, public_name, special_token_texts
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="dflash", docs_url=None, redoc_url=None)
@@ -72,56 +73,6 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(err.body(), status_code=500)
 
 
-class IncrementalText:
-    """Token ids -> text pieces that are safe to send, cut at the first stop string.
-
-    Text that could still become a stop string (a suffix that is a prefix of one) or an
-    unfinished UTF-8 character ("\\ufffd" at the end) is held back until it resolves.
-    Example, stop ["\\n\\n"]: text "Hi\\n" sends "Hi" and holds "\\n"; "Hi\\n\\nBye" stops at "Hi".
-    """
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the decoded text already returned
-        self.stopped = False
-
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
-
-    def add(self, ids: list[int]) -> str:
-        self.ids += ids
-        text = self._text()
-        if self.stops:
-            longest = max(len(s) for s in self.stops)
-            start = max(0, self.sent - longest + 1)
-            hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-            if hits:
-                end = max(min(hits), self.sent)
-                self.stopped = True
-                piece, self.sent = text[self.sent:end], end
-                return piece
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), hold, -1):
-                if text.endswith(s[:k]):
-                    hold = k
-                    break
-        if text.endswith("\ufffd"):
-            hold = max(hold, 1)
-        end = max(self.sent, len(text) - hold)
-        piece, self.sent = text[self.sent:end], end
-        return piece
-
-    def flush(self) -> str:
-        """What is left once generation ended without a stop string."""
-        if self.stopped:
-            return ""
-        text = self._text()
-        piece, self.sent = text[self.sent:], len(text)
-        return piece
-
-
 def load_api_keys(cfg: ServeConfig) -> set[str]:
     """Bearer keys from api_keys_file (one per line, '#' comments) and the env var api_keys_env."""
     keys: set[str] = set()
@@ -140,67 +91,6 @@ def load_api_keys(cfg: ServeConfig) -> set[str]:
                              "without auth (set it, or drop api_keys_env to serve without keys)")
         keys |= from_env
     return keys
-
-
-def public_name(path: str | None, parent: str | None = None) -> str | None:
-    """A drafter/corpus source as /v1/models shows it: no server paths. A file inside
-    `parent` (the drafter directory) is named relative to the parent's name."""
-    if path is None or path in ("random",):
-        return path
-    p = Path(path)
-    if parent not in (None, "random"):
-        try:
-            return str(Path(Path(parent).name) / p.relative_to(parent))
-        except ValueError:
-            pass
-    return p.name
-
-
-def special_token_texts(tokenizer) -> list[str]:
-    """Texts the tokenizer turns into control tokens (<|im_start|>, ...), longest first."""
-    texts = set(getattr(tokenizer, "all_special_tokens", []) or [])
-    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-        if getattr(tok, "special", False):
-            texts.add(str(tok.content))
-    return sorted((t for t in texts if t), key=len, reverse=True)
-
-
-class ReplicaMetrics:
-    """Ray Serve metrics (exported by Ray's metrics agent for Prometheus, prefix ray_)."""
-
-    def __init__(self, block_size: int):
-        seconds = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
-        self.requests = Counter("dflash_requests", "HTTP requests answered", tag_keys=("route", "status"))
-        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens admitted")
-        self.generated_tokens = Counter("dflash_generated_tokens", "Tokens generated")
-        self.acceptance = Histogram("dflash_acceptance_length", "Tokens emitted per verify cycle (accepted + 1)",
-                                    boundaries=[i + 0.5 for i in range(1, max(block_size, 2))])
-        self.draft_time = Histogram("dflash_draft_time_s", "Draft pass time per step", boundaries=seconds)
-        self.verify_time = Histogram("dflash_verify_time_s", "Verify pass time per step", boundaries=seconds)
-        self.batch_hist = Histogram("dflash_step_batch_size", "Rows per speculative step",
-                                    boundaries=[1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5])
-        self.width = Histogram("dflash_verify_width", "Verify width chosen per step (1: a plain AR step)",
-                               boundaries=[i + 0.5 for i in range(1, max(block_size, 2))])
-        self.prefill_tokens = Counter("dflash_prefill_tokens", "Prompt tokens prefilled (in chunks between steps)")
-        self.batch_size = Gauge("dflash_batch_size", "Rows in the running batch")
-        self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for a batch slot")
-        self.latency = Histogram("dflash_request_latency_s", "End-to-end generation time",
-                                 boundaries=[0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120])
-
-    def on_step(self, r: StepReport) -> None:
-        if r.tokens:
-            self.generated_tokens.inc(r.tokens)
-        self.batch_size.set(r.batch_size)
-        self.queue_depth.set(r.waiting)
-        if r.batch_size:
-            self.batch_hist.observe(r.batch_size)
-            self.draft_time.observe(r.draft_time_s)
-            self.verify_time.observe(r.verify_time_s)
-            self.width.observe(r.width)
-            for n in r.acceptance_lengths:
-                self.acceptance.observe(n)
-        if r.prefill_tokens:
-            self.prefill_tokens.inc(r.prefill_tokens)
 
 
 @serve.deployment

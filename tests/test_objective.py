@@ -1,6 +1,5 @@
 """Training objective: train/inference parity and learning on the real default target."""
 
-import pytest
 import torch
 
 from dflash.decoding import SamplingParams, SpeculativeDecoder

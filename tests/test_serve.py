@@ -25,9 +25,10 @@ from dflash.checkpoint import CheckpointError, save_drafter
 from dflash.config import DrafterConfig
 from dflash.config_file import ConfigError
 from dflash.drafter import DFlashDrafter
-from serve.app import IncrementalText, app_builder, build_app
+from serve.app import app_builder, build_app
 from jobs.demo import free_port
 from serve.config import ServeConfig, load_serve_config
+from serve.text import IncrementalText
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-test-key-1"

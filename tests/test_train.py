@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import _RAY_TMP, start_local_ray
+from conftest import start_local_ray
 from dflash.data import DataMismatchError, DatasetMetadata, build_table, sample_id, write_shard
 from dflash.decoding import SamplingParams, SpeculativeDecoder
 from dflash.config_file import ConfigError, load_config
