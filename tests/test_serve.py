@@ -107,6 +107,9 @@ def test_config_rejects_bad_values():
         load_serve_config(REPO / "serve" / "config.yaml", ["max_batchsize=3"])
     with pytest.raises(ConfigError, match="num_gpus_per_replica"):
         load_serve_config(REPO / "serve" / "config.yaml", ["device=cuda"])
+    with pytest.raises(ConfigError, match="prefill_chunk_tokens must be >= 1"):
+        load_serve_config(REPO / "serve" / "config.yaml", ["prefill_chunk_tokens=0"])
+    assert load_serve_config(REPO / "serve" / "config.yaml", ["prefill_chunk_tokens=64"]).prefill_chunk_tokens == 64
 
 
 def test_drafter_for_another_target_is_refused(target_fp32, tmp_path):
