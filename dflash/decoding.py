@@ -42,20 +42,20 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-from transformers import DynamicCache
 
-from dflash.batch import DecodeBatch, Request, RequestStats, compact, select_rows
+from dflash.batch import DecodeBatch, Request, compact, select_rows
 from dflash.config import check_drafter_fits
 from dflash.corpus import ORDERS as CORPUS_ORDERS
 from dflash.corpus import CorpusIndex
 from dflash.drafter import DFlashDrafter, OutputHead, concat_context
-from dflash.lookup import LookupConfig, NgramIndex
-from dflash.masks import causal_attention_mask, extend_attention_mask
+from dflash.lookup import LookupConfig
+from dflash.masks import extend_attention_mask
+from dflash.prefill import Prefill
 from dflash.sampling import (VERIFY_RULES, SamplingParams, greedy_tokens, row_uniforms, sample_from, target_tokens,
                              token_probs, verify_match, verify_rejection)
 from dflash.target import Target
 from dflash.tree import DraftTree, TreeConfig, build_tree
-from dflash.width import SOURCES, CostModel, Plan, WidthPolicy
+from dflash.width import SOURCES, CostModel, Plan, WidthPolicy, calibrate
 
 DRAFTER, LOOKUP, CORPUS = range(3)  # indices into dflash.width.SOURCES
 # one cost model per loaded target: every decoder on it (AR, DFlash, a bench's ablation)
@@ -167,7 +167,7 @@ class SpeculativeDecoder:
             if len(p) + sp.max_new_tokens + self.max_width > self.max_positions:
                 raise ValueError(f"prompt of {len(p)} tokens + max_new_tokens {sp.max_new_tokens} exceeds the "
                                  f"target's context of {self.max_positions} tokens")
-        return Prefill(self, prompts, params)
+        return Prefill(self, prompts, params)  # dflash.prefill
 
     # --- one speculative cycle ----------------------------------------------------------
     @torch.no_grad()
@@ -355,48 +355,9 @@ class SpeculativeDecoder:
                 row.since_drafter += 1
             self.policy.score(row, r.output_ids, finished=r.finished)
 
-    @torch.no_grad()
     def calibrate(self, budget_s: float = CALIBRATION_S, context: int = 128) -> dict[int, float]:
-        """Time a width-W verify (W = 1 .. max_width, as many as the budget allows, the ends
-        first) and a drafter pass at batch 1 over a `context`-token cache into the cost
-        model: the start-up guess the passes of real cycles then refine.
-        Returns {W: verify seconds}."""
-        costs = self.policy.costs
-        n = min(context, max(1, self.max_positions - self.max_width - 2))
-        ids = [(7 * k) % max(2, self.target.vocab_size - 1) + 1 for k in range(n)]
-        batch = self.prefill([ids], SamplingParams(max_new_tokens=1))
-        taps = self.tap_ids if self.drafter is not None else None
-
-        def verify(w: int) -> float:
-            ids_w = batch.anchor[:, None].repeat(1, w)
-            pos = batch.next_pos[:, None] + torch.arange(w, device=self.device)
-            self._sync()
-            t = time.perf_counter()
-            self.target.forward(ids_w, pos, extend_attention_mask(batch.slot_valid, w, causal=True), batch.cache,
-                                tap_layer_ids=taps)
-            self._sync()
-            dt = time.perf_counter() - t
-            batch.cache.crop(-w)
-            return dt
-
-        order = [1, self.max_width] + sorted({2, 4, 8, 3, 6, 12, 16} - {1, self.max_width},
-                                             key=lambda w: (w not in (2, 4, 8), w))
-        order = [w for w in dict.fromkeys(order) if w <= self.max_width]
-        verify(1), verify(self.max_width)  # warm-up
-        t0 = time.perf_counter()
-        seen = {}
-        for w in order:
-            if len(seen) >= 2 and time.perf_counter() - t0 > budget_s:
-                break
-            seen[w] = min(verify(w), verify(w))
-            costs.observe("verify", 1, w, seen[w])
-        if self.drafter is not None:
-            self.draft_scores(batch)
-            t = time.perf_counter()
-            self.draft_scores(batch)
-            self._sync()
-            costs.observe("drafter", 1, 1, time.perf_counter() - t)
-        return seen
+        """Time the passes this decoder may run into its cost model (dflash.width.calibrate)."""
+        return calibrate(self, budget_s, context)
 
     def _commit(self, batch: DecodeBatch, out, positions: torch.Tensor, new_valid: torch.Tensor,
                 keep: torch.Tensor, bonus: torch.Tensor) -> None:
@@ -515,77 +476,3 @@ class SpeculativeDecoder:
                 self.step(batch)
                 batch, _ = self.drop_finished(batch)
         return results
-
-
-class Prefill:
-    """Prompts on their way into the target's cache, a chunk of columns at a time.
-
-    The prompts are left-padded to one width t; `advance(max_tokens)` runs the next columns
-    [done, done + c) with c = max_tokens // rows (all that is left by default) through the
-    target, each column seeing the valid columns before it (the slice of the full causal
-    mask), and appends their drafter context. After the last column it samples each
-    request's first token and returns the DecodeBatch; before, None. A server interleaves
-    these chunks with decode steps and simply drops a Prefill whose request was cancelled.
-
-    Example: prompts of 5 and 3 tokens, advance(4) -> columns 0-1 (2 rows x 2 = 4 tokens),
-    then columns 2-3, then column 4 and the first tokens.
-    """
-
-    def __init__(self, decoder: SpeculativeDecoder, prompts: list[list[int]], params: list[SamplingParams]):
-        self.decoder = dec = decoder
-        self.started = time.perf_counter()
-        self.elapsed_s = 0.0
-        self.requests = []
-        for p, sp in zip(prompts, params):
-            g = torch.Generator()
-            g.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-            index = NgramIndex(dec.lookup, p) if dec.lookup is not None else None
-            self.requests.append(Request(list(p), sp, RequestStats(dec.max_width, prompt_tokens=len(p)), g,
-                                         started=self.started, lookup=index,
-                                         width=dec.policy.new_row() if dec.policy is not None else None))
-        self.lens = torch.tensor([len(p) for p in prompts], device=dec.device)
-        width = int(self.lens.max())
-        self.ids = torch.zeros(len(prompts), width, dtype=torch.long, device=dec.device)
-        for i, p in enumerate(prompts):
-            self.ids[i, width - len(p):] = torch.tensor(p, device=dec.device)
-        self.valid = torch.arange(width, device=dec.device)[None] >= (width - self.lens)[:, None]
-        self.positions = (self.valid.long().cumsum(1) - 1).clamp(min=0)
-        self.cache = DynamicCache(config=dec.target.config)
-        self.context = None
-        self.done = 0  # columns already in the cache
-
-    @property
-    def remaining_tokens(self) -> int:
-        return (self.ids.shape[1] - self.done) * len(self.requests)
-
-    @torch.no_grad()
-    def advance(self, max_tokens: int | None = None) -> DecodeBatch | None:
-        dec, t0 = self.decoder, time.perf_counter()
-        rows, width = len(self.requests), self.ids.shape[1]
-        cols = width - self.done if max_tokens is None else max(1, max_tokens // rows)
-        a, b = self.done, min(width, self.done + cols)
-        mask = causal_attention_mask(self.valid[:, :b])[:, :, a:b]
-        drafting = dec.drafter is not None
-        out = dec.target.forward(self.ids[:, a:b], self.positions[:, a:b], mask, self.cache,
-                                 tap_layer_ids=dec.tap_ids if drafting else None,
-                                 logits_slice=slice(-1, None))  # only the last chunk's is used
-        if drafting:
-            taps = out.taps.masked_fill(~self.valid[:, a:b, None], 0)
-            self.context = concat_context(self.context, dec.drafter.context_kv(taps, self.positions[:, a:b]))
-        self.done = b
-        if b < width:
-            dec._sync()
-            self.elapsed_s += time.perf_counter() - t0
-            return None
-        batch = DecodeBatch(self.requests, self.cache, self.context, self.valid, self.lens.clone(),
-                            torch.zeros_like(self.lens))
-        temps, top_ps = dec._param_tensors(self.requests)
-        first = target_tokens(out.logits, temps, top_ps, dec._position_uniforms(batch, 1))[:, 0]
-        batch.anchor = first
-        dec._sync()
-        self.elapsed_s += time.perf_counter() - t0
-        for r, tok in zip(self.requests, first.tolist()):
-            r.stats.prefill_time_s = self.elapsed_s
-            r.emit([tok], dec.stop_token_ids | set(r.params.stop_token_ids))
-        return batch
-

@@ -30,9 +30,13 @@ The pieces:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
+
+from dflash.masks import extend_attention_mask
+from dflash.sampling import SamplingParams
 
 SOURCES = ("drafter", "lookup", "corpus")
 
@@ -309,3 +313,50 @@ class WidthPolicy:
                 row.acceptance.observe(source, hits, tried)
                 self.overall.observe(source, hits, tried)
                 del row.pending[source]
+
+
+# --- the start-up calibration ------------------------------------------------------------
+
+@torch.no_grad()
+def calibrate(dec, budget_s: float, context: int = 128) -> dict[int, float]:
+    """Time a width-W verify (W = 1 .. max_width, as many as the budget allows, the ends
+    first) and a drafter pass at batch 1 over a `context`-token cache into the cost model
+    of `dec` (a dflash.decoding.SpeculativeDecoder, passed in: the decoder calls this at
+    start-up): the guess the passes of real cycles then refine.
+    Returns {W: verify seconds}."""
+    costs = dec.policy.costs
+    n = min(context, max(1, dec.max_positions - dec.max_width - 2))
+    ids = [(7 * k) % max(2, dec.target.vocab_size - 1) + 1 for k in range(n)]
+    batch = dec.prefill([ids], SamplingParams(max_new_tokens=1))
+    taps = dec.tap_ids if dec.drafter is not None else None
+
+    def verify(w: int) -> float:
+        ids_w = batch.anchor[:, None].repeat(1, w)
+        pos = batch.next_pos[:, None] + torch.arange(w, device=dec.device)
+        dec._sync()
+        t = time.perf_counter()
+        dec.target.forward(ids_w, pos, extend_attention_mask(batch.slot_valid, w, causal=True), batch.cache,
+                           tap_layer_ids=taps)
+        dec._sync()
+        dt = time.perf_counter() - t
+        batch.cache.crop(-w)
+        return dt
+
+    order = [1, dec.max_width] + sorted({2, 4, 8, 3, 6, 12, 16} - {1, dec.max_width},
+                                        key=lambda w: (w not in (2, 4, 8), w))
+    order = [w for w in dict.fromkeys(order) if w <= dec.max_width]
+    verify(1), verify(dec.max_width)  # warm-up
+    t0 = time.perf_counter()
+    seen = {}
+    for w in order:
+        if len(seen) >= 2 and time.perf_counter() - t0 > budget_s:
+            break
+        seen[w] = min(verify(w), verify(w))
+        costs.observe("verify", 1, w, seen[w])
+    if dec.drafter is not None:
+        dec.draft_scores(batch)
+        t = time.perf_counter()
+        dec.draft_scores(batch)
+        dec._sync()
+        costs.observe("drafter", 1, 1, time.perf_counter() - t)
+    return seen
