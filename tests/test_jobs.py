@@ -158,7 +158,8 @@ def test_generate_decodes_with_the_shipped_drafter_by_default(capsys, target_fp3
     args = ["generate", "--chat", "--prompt", "Name three colors.", "--dtype", "fp32", "--max-new-tokens", "16",
             "--json", "--threads", "1"]
     runs = {}
-    for name, extra in [("auto", []), ("no-lookup", ["--no-lookup", "--corpus", "none"]), ("none", ["--drafter", "none"]),
+    for name, extra in [("auto", []), ("no-lookup", ["--no-lookup", "--corpus", "none", "--block-size", "4"]),
+                        ("none", ["--drafter", "none"]),
                         ("other", ["--target", str(target_fp32.model.name_or_path)]), ("tree", ["--tree-nodes", "24"])]:
         rc, out, err = run_cli(capsys, *args, *extra)
         assert rc == 0, err

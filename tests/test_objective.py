@@ -60,7 +60,7 @@ def test_learning_reaches_high_accuracy_and_tau(target_fp32, trained):
     first, last = history[0], history[-1]
     assert last["loss"] < 0.1 * first["loss"]
     assert min(last["acc"]) > 0.9, last["acc"]
-    res = SpeculativeDecoder(target_fp32, drafter).generate(prompts, SamplingParams(40))
+    res = SpeculativeDecoder(target_fp32, drafter, adaptive=False).generate(prompts, SamplingParams(40))  # tau at its block
     assert [r.output_ids for r in res] == outputs  # still lossless
     tau = sum(r.stats.tau for r in res) / len(res)
     assert tau >= 3.0, tau

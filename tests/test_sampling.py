@@ -445,8 +445,9 @@ def test_seeded_request_decodes_the_same_alone_and_in_any_batch(tiny, rule, with
         assert ar.generate([PROMPT], [sp])[0].output_ids == alone.output_ids, f"seed {seed}: not AR's text"
         if not adaptive:  # pinned: the row's own guesses too; adaptive widths follow the batch
             assert batched.stats.acceptance_lengths == alone.stats.acceptance_lengths
-    widths = {n for r in [alone, batched] for n in r.stats.acceptance_lengths}
-    assert max(widths) > 1 and (batched.stats.lookup_cycles or batched.stats.corpus_cycles or with_drafter)
+    if not adaptive:  # pinned: drafts were verified and accepted (adaptive may rightly verify less)
+        widths = {n for r in [alone, batched] for n in r.stats.acceptance_lengths}
+        assert max(widths) > 1 and (batched.stats.lookup_cycles or batched.stats.corpus_cycles or with_drafter)
 
 
 def test_seeded_rows_keep_the_target_law(tiny):
