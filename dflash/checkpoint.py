@@ -159,10 +159,10 @@ def load_drafter(path: str | Path, target=None, device: str | torch.device = "cp
     path = Path(path)
     cfg = read_drafter_config(path)
     if target is not None:
-        from dflash.decoding import check_drafter_matches_target
+        from dflash.config import check_drafter_fits
 
         try:
-            check_drafter_matches_target(cfg, target)
+            check_drafter_fits(cfg, target)
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from e
     weights = path / WEIGHTS_NAME

@@ -63,8 +63,6 @@ DRAFTER, LOOKUP, CORPUS = range(3)  # indices into dflash.width.SOURCES
 _COSTS: "weakref.WeakKeyDictionary[Target, CostModel]" = weakref.WeakKeyDictionary()
 CALIBRATION_S = 1.5  # the start-up calibration's time budget
 
-# the old name; serve/app.py and dflash/checkpoint.py still import it from here
-check_drafter_matches_target = check_drafter_fits
 
 
 class SpeculativeDecoder:

@@ -1,7 +1,7 @@
 """Loading DeepSpeed checkpoints without running pickled code.
 
 DeepSpeed writes its ZeRO shards with torch.save and reads them back with
-torch.load(weights_only=False): a crafted run directory on shared storage would run
+an unrestricted torch.load (weights_only off): a crafted run directory on shared storage would run
 arbitrary code in `dflash export` or in a resuming training worker. Inside
 `weights_only_loads()` every torch.load is forced to weights_only=True (PyTorch's
 TORCH_FORCE_WEIGHTS_ONLY_LOAD switch overrides the callers' False), with an allowlist of

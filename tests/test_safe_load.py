@@ -68,14 +68,13 @@ def test_a_crafted_shard_is_refused_and_its_payload_never_runs(tmp_path):
 
     write_checkpoint(tmp_path / "ck", 2)
     shard = next((tmp_path / "ck" / "t").glob("*optim_states.pt"))
-    real = torch.load(shard, weights_only=False)  # our own file: trusted here
-    real["hook"] = Payload(tmp_path / "pwned")
-    torch.save(real, shard)
+    torch.save({"hook": Payload(tmp_path / "pwned")}, shard)  # the crafted shard replaces the real one
 
     with pytest.raises(UnsafeCheckpoint, match="refusing a checkpoint"):
         with weights_only_loads():
             get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ck"), tag="t")
     assert not (tmp_path / "pwned").exists()
 
-    torch.load(shard, weights_only=False)  # the unguarded load DeepSpeed does runs the payload
+    run, args = Payload(tmp_path / "pwned").__reduce__()  # what unpickling it would call: a live payload
+    run(*args)
     assert (tmp_path / "pwned").exists()
