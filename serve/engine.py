@@ -2,11 +2,14 @@
 
 One asyncio task owns the decoder and the running batch. Each iteration:
   1. admit   waiting requests, up to max_batch_size in flight (running or prefilling), each
-             as a chunked prefill (dflash.decoding.Prefill); run at most prefill_chunk_tokens
-             prompt tokens of them, oldest first; a request whose prefill completes emits its
-             first token and merges into the running batch. A long prompt thus prefills over
-             many iterations while the running rows keep decoding, and a request cancelled
-             mid-prefill is dropped before its next chunk;
+             as a chunked prefill (dflash.decoding.Prefill); run some prompt tokens of them,
+             fewest remaining first (a short prompt never waits behind a long one); a
+             request whose prefill completes emits its first token and merges into the
+             running batch. The tokens an iteration prefills: prefill_chunk_tokens when no
+             row is decoding, else only as many as fit prefill_slice_s at the measured
+             prefill rate, so a long prompt prefills over many iterations while the running
+             rows keep decoding, each of their steps delayed by about prefill_slice_s at
+             most. A request cancelled mid-prefill is dropped before its next chunk;
   2. cancel  requests whose client left or whose stop string matched: finish_reason set,
              then drop_finished removes their rows;
   3. step    one speculative cycle for every row (ragged acceptance per row);
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -97,14 +101,20 @@ class Generation:
 class BatchingEngine:
     """Owns a SpeculativeDecoder; decodes every submitted request in shared batched steps."""
 
+    MIN_PREFILL_TOKENS = 16  # an iteration's prefill never shrinks below this (a long prompt always advances)
+
     def __init__(self, decoder: SpeculativeDecoder, max_batch_size: int = 8,
                  context_budget: int | None = None, on_step: Callable[[StepReport], None] | None = None,
-                 prefill_chunk_tokens: int = 256):
+                 prefill_chunk_tokens: int = 256, prefill_slice_s: float = 0.1):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
-        self.prefill_chunk_tokens = prefill_chunk_tokens  # prompt tokens per iteration, between decode steps
+        if prefill_slice_s < 0:
+            raise ValueError(f"prefill_slice_s must be >= 0, got {prefill_slice_s}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # prompt tokens per iteration at most
+        self.prefill_slice_s = prefill_slice_s  # prefill time per iteration while rows decode (0: no cap)
+        self._prefill_s_per_token: float | None = None  # measured: EMA over the chunks run
         self.decoder = decoder
         self.max_batch_size = max_batch_size
         self.context_budget = min(context_budget or decoder.max_positions, decoder.max_positions)
@@ -187,16 +197,27 @@ class BatchingEngine:
                 admitted.append(gen)
         return admitted
 
-    def _prefill_some(self) -> tuple[list[Generation], list[tuple[Generation, Exception]], int]:
-        """Up to prefill_chunk_tokens prompt tokens of the prefills, oldest first (in a worker
+    def prefill_budget(self) -> int:
+        """Prompt tokens this iteration may prefill: prefill_chunk_tokens, or while rows are
+        decoding, what fits prefill_slice_s at the measured rate (at least MIN_PREFILL_TOKENS)."""
+        if not self._running or not self.prefill_slice_s or self._prefill_s_per_token is None:
+            return self.prefill_chunk_tokens
+        fits = int(self.prefill_slice_s / self._prefill_s_per_token)
+        return max(min(self.MIN_PREFILL_TOKENS, self.prefill_chunk_tokens), min(self.prefill_chunk_tokens, fits))
+
+    def _prefill_some(self, budget: int) -> tuple[list[Generation], list[tuple[Generation, Exception]], int]:
+        """Up to `budget` prompt tokens of the prefills, fewest remaining first (in a worker
         thread); the completed ones are merged into the batch.
         -> (completed, failed with their error, prompt tokens run)."""
-        budget, done, failed = self.prefill_chunk_tokens, [], []
+        start, done, failed = budget, [], []
+        self._prefilling.sort(key=lambda item: item[1].remaining_tokens)  # stable: ties stay oldest first
         while self._prefilling and budget > 0:
             gen, pf = self._prefilling[0]
             spend = min(budget, pf.remaining_tokens)
             try:
+                t0 = time.perf_counter()
                 new = pf.advance(budget)
+                self._observe_prefill(spend, time.perf_counter() - t0)
                 budget -= spend
                 if new is None:
                     break
@@ -210,7 +231,13 @@ class BatchingEngine:
             self._batch = merged
             gen.request = new.requests[0]
             done.append(gen)
-        return done, failed, self.prefill_chunk_tokens - budget
+        return done, failed, start - budget
+
+    def _observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= self.MIN_PREFILL_TOKENS:  # tiny chunks are mostly fixed cost: they would overstate it
+            rate = seconds / tokens
+            old = self._prefill_s_per_token
+            self._prefill_s_per_token = rate if old is None else 0.7 * old + 0.3 * rate
 
     def _drop_cancelled_prefills(self) -> None:
         still = []
@@ -259,7 +286,7 @@ class BatchingEngine:
                     self._finish(gen, "abort", RuntimeError(f"prefill failed: {e}"))
             self._drop_cancelled_prefills()
             if self._prefilling:
-                completed, failed, prefilled = await asyncio.to_thread(self._prefill_some)
+                completed, failed, prefilled = await asyncio.to_thread(self._prefill_some, self.prefill_budget())
                 for gen, e in failed:
                     self._finish(gen, "abort", RuntimeError(f"prefill failed: {e}"))
                 for gen in completed:

@@ -1,5 +1,6 @@
 """The batching engine's chunked prefill (serve/engine.py, plain asyncio, no Ray, no HTTP):
-a long prompt prefills a chunk per iteration while running rows keep decoding, and a
+a long prompt prefills a chunk per iteration while running rows keep decoding, a short
+prompt never waits behind a long one, the time slice caps a chunk while rows decode, and a
 request cancelled mid-prefill stops prefilling and frees the engine."""
 
 import asyncio
@@ -73,3 +74,59 @@ def test_cancelled_long_prefill_frees_the_engine(target_fp32):
     assert out == hf_greedy(target_fp32, short, 8)
     assert sum(r.prefill_tokens for r in reports) < LONG_TOKENS // 2  # the rest of the long prompt never ran
     assert engine.num_prefilling == engine.num_running == engine.num_waiting == 0
+
+
+def test_short_prompt_is_not_queued_behind_a_long_prefill(target_fp32):
+    long = _long_prompt(target_fp32)
+    short = target_fp32.chat_ids([{"role": "user", "content": "What is 2+2?"}])
+
+    async def run():
+        engine = BatchingEngine(SpeculativeDecoder(target_fp32), max_batch_size=4, prefill_chunk_tokens=64)
+        l_gen = engine.submit(long, SamplingParams(max_new_tokens=2))
+        s_gen = engine.submit(short, SamplingParams(max_new_tokens=8))  # arrives second, prefills first
+        firsts = {}
+
+        async def read(name, gen):
+            out = []
+            async for toks in gen.tokens():
+                firsts.setdefault(name, time.perf_counter())
+                out += toks
+            return out
+
+        l_out, s_out = await asyncio.gather(read("long", l_gen), read("short", s_gen))
+        await engine.close()
+        return l_out, s_out, firsts
+
+    l_out, s_out, firsts = asyncio.run(run())
+    assert firsts["short"] < firsts["long"]
+    assert s_out == hf_greedy(target_fp32, short, 8) and l_out == hf_greedy(target_fp32, long, 2)
+
+
+def test_prefill_slice_caps_prompt_tokens_while_rows_decode(target_fp32):
+    short = target_fp32.chat_ids([{"role": "user", "content": "Give me a Python function that reverses a string."}])
+    long = _long_prompt(target_fp32)
+    reports = []
+
+    async def run():
+        # a slice far below one token's prefill time: while the short row decodes, every
+        # iteration prefills the floor (MIN_PREFILL_TOKENS); once it is done, whole chunks
+        engine = BatchingEngine(SpeculativeDecoder(target_fp32), max_batch_size=4, on_step=reports.append,
+                                prefill_chunk_tokens=128, prefill_slice_s=1e-9)
+        s = engine.submit(short, SamplingParams(max_new_tokens=24))
+        l_gen = None
+        async for _ in s.tokens():
+            if l_gen is None:
+                l_gen = engine.submit(long, SamplingParams(max_new_tokens=2))
+        l_out = [t async for toks in l_gen.tokens() for t in toks]
+        await engine.close()
+        return s, l_out
+
+    s, l_out = asyncio.run(run())
+    assert s.request.output_ids == hf_greedy(target_fp32, short, 24) and l_out == hf_greedy(target_fp32, long, 2)
+    beside_rows = [r.prefill_tokens for r in reports if r.prefill_tokens and r.batch_size]
+    alone = [r.prefill_tokens for r in reports if r.prefill_tokens and not r.batch_size]
+    floor = BatchingEngine.MIN_PREFILL_TOKENS
+    # the first and the last are the short's own prefill and the long's final chunk (a
+    # completed prefill's row steps in its own iteration); every chunk between ran beside rows
+    assert len(beside_rows) > 10 and max(beside_rows[1:-1]) <= floor
+    assert alone and max(alone) == 128
