@@ -1,14 +1,21 @@
-"""Loopback load test of the Serve app: with the drafter vs without it, in the same run.
+"""Loopback load test of the Serve app: with the drafter vs without it (AR), in the same run.
 
-    .venv/bin/python benchmarks/bench_serve.py --duration 20 --max-tokens 32 [--drafter runs/export/drafter]
+    .venv/bin/python benchmarks/bench_serve.py --duration 30 --max-tokens 64 --concurrency 1,4,8 \
+        [--long-prompt-tokens 4000] [--drafter DIR|default|random] [--torch-threads 1]
 
-Starts a local Ray + Serve on 127.0.0.1, deploys one replica without a drafter (plain
-autoregressive), loads it, deletes it, then the same with the drafter, so the two never
-share the CPU. Each cell is a closed loop: `concurrency` clients each send a greedy chat
-request, wait for the answer, send the next, until the cell's stop time (requests still in
-flight then are awaited and counted). Without --drafter a RANDOM drafter is made for the
-target: its acceptance is ~1 token per cycle, so it measures the speculative overhead, not
-a speedup. Prints requests/s, output tokens/s and p50/p95 latency per cell.
+Starts a local Ray + Serve on 127.0.0.1, deploys one replica of the default config without
+a drafter (plain autoregressive), loads it, deletes it, then the same with the drafter (by
+default the shipped reference drafter with lookup, corpus and adaptive width: what
+`dflash serve` runs), so the two never share the CPU. Each cell is a closed loop:
+`concurrency` clients each send a greedy chat request, wait for the answer, send the next,
+until the cell's stop time (requests still in flight then are awaited and counted). Prints
+requests/s, output tokens/s and p50/p95 latency per cell, and the drafter's speedup over AR.
+
+--long-prompt-tokens N adds one cell per mode: while `concurrency` (the first level) clients
+send short requests (--short-tokens new tokens each), one client sends a prompt of N tokens
+(max_tokens 1); the short requests' p50/p95 latency during that prefill, and the long
+request's own latency, say whether chunked prefill keeps the replica responsive.
+`--drafter random` measures the speculative overhead of a drafter that accepts ~nothing.
 """
 
 from __future__ import annotations
@@ -50,16 +57,35 @@ def random_drafter_dir(target_spec: str, out: str, block_size: int) -> str:
     return str(save_drafter(DFlashDrafter(cfg), out))
 
 
-def run_cell(url: str, concurrency: int, duration: float, max_tokens: int) -> dict:
-    """Closed-loop load for `duration` seconds; returns the cell's figures."""
+def long_prompt(tokens: int) -> str:
+    """A user message of about `tokens` tokens (numbered sentences, so nothing repeats exactly)."""
+    return " ".join(f"Note {i}: the river rose {i % 7} feet near mill {i % 13}." for i in range(tokens // 20))
+
+
+def run_cell(url: str, concurrency: int, duration: float, max_tokens: int, long_tokens: int = 0) -> dict:
+    """Closed-loop load for `duration` seconds (with long_tokens: until the long prompt is
+    answered, so every short request timed ran while it prefilled); returns the cell's figures."""
     stop_at = time.perf_counter() + duration
+    long_out: dict = {}
+    long_done = threading.Event()
+    if long_tokens:
+        def send_long():
+            body = {"messages": [{"role": "user", "content": long_prompt(long_tokens)}], "max_tokens": 1,
+                    "temperature": 0}
+            t0 = time.perf_counter()
+            r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+            long_out.update(status=r.status_code, latency_s=time.perf_counter() - t0,
+                            prompt_tokens=r.json().get("usage", {}).get("prompt_tokens") if r.ok else None)
+            long_done.set()
+    else:
+        long_done.set()
     latencies, tokens, taus, errors = [], [], [], []
     lock = threading.Lock()
 
     def client(k: int):
         i = k
         with requests.Session() as s:
-            while time.perf_counter() < stop_at:
+            while not long_done.is_set() if long_tokens else time.perf_counter() < stop_at:
                 body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                         "max_tokens": max_tokens, "temperature": 0}
                 t0 = time.perf_counter()
@@ -77,6 +103,8 @@ def run_cell(url: str, concurrency: int, duration: float, max_tokens: int) -> di
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
+    if long_tokens:
+        threads.append(threading.Thread(target=send_long))
     for t in threads:
         t.start()
     for t in threads:
@@ -86,19 +114,23 @@ def run_cell(url: str, concurrency: int, duration: float, max_tokens: int) -> di
     pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")  # noqa: E731
     return {"requests": len(lat), "errors": len(errors), "wall_s": wall, "req_per_s": len(lat) / wall,
             "tok_per_s": sum(tokens) / wall, "p50_s": pct(0.50), "p95_s": pct(0.95),
-            "tau": statistics.mean(taus) if taus else float("nan")}
+            "tau": statistics.mean(taus) if taus else float("nan"), "long": long_out}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="default")
-    ap.add_argument("--drafter", default=None, help="trained drafter directory (default: a random one)")
+    ap.add_argument("--drafter", default="auto",
+                    help="auto/default: the shipped reference drafter; a drafter directory; random: an untrained one")
     ap.add_argument("--block-size", type=int, default=8, help="block size of the random drafter")
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of load per cell")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--long-prompt-tokens", type=int, default=0, help="add a long-prompt cell (e.g. 4000)")
+    ap.add_argument("--short-tokens", type=int, default=16, help="new tokens of each short request in that cell")
     ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of the one replica")
+    ap.add_argument("--torch-threads", type=int, default=1, help="the replica's torch_threads (config default 1)")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
 
@@ -108,37 +140,58 @@ def main(argv=None) -> int:
     from serve.app import build_app
     from serve.config import ServeConfig
 
+    from dflash.bench import cpu_description
+
     tmp = tempfile.mkdtemp(prefix="bench-serve-")
-    drafter = args.drafter or random_drafter_dir(args.target, os.path.join(tmp, "drafter"), args.block_size)
+    drafter = args.drafter
+    if drafter == "random":
+        drafter = random_drafter_dir(args.target, os.path.join(tmp, "drafter"), args.block_size)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     ray.init(address="local", include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(args.torch_threads), "TOKENIZERS_PARALLELISM": "false",
                                        "HF_HUB_OFFLINE": "1"}})
     rows = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for mode, path in (("no drafter", None), ("drafter", drafter)):
             cfg = ServeConfig(target=args.target, drafter=path, dtype=args.dtype, max_batch_size=max(levels),
-                              max_ongoing_requests=2 * max(levels), num_cpus_per_replica=args.num_cpus,
-                              app_name="bench")
+                              max_ongoing_requests=2 * max(levels) + 1, num_cpus_per_replica=args.num_cpus,
+                              torch_threads=args.torch_threads, max_context_tokens=None, app_name="bench")
             serve.run(build_app(cfg), name="bench", route_prefix="/")
             run_cell(url, 1, 0.1, 4)  # warm up
             for c in levels:
                 rows.append({"mode": mode, "concurrency": c, **run_cell(url, c, args.duration, args.max_tokens)})
                 print(f"  done: {mode} c={c}", file=sys.stderr, flush=True)
+            if args.long_prompt_tokens:
+                cell = run_cell(url, levels[0], args.duration, args.short_tokens, args.long_prompt_tokens)
+                rows.append({"mode": mode, "concurrency": f"{levels[0]}+L", **cell})
+                print(f"  done: {mode} long prompt {cell['long']}", file=sys.stderr, flush=True)
             serve.delete("bench")
     finally:
         serve.shutdown()
         ray.shutdown()
 
-    print(f"\ntarget={args.target} dtype={args.dtype} drafter={args.drafter or f'random (block {args.block_size})'} "
+    cpu = cpu_description()
+    print(f"\ncpu: {cpu['model']}, native bf16: {cpu['avx512_bf16'] or cpu['amx_bf16']}; replica: "
+          f"{args.num_cpus} CPU, torch_threads {args.torch_threads}")
+    print(f"target={args.target} dtype={args.dtype} drafter={args.drafter} "
           f"max_tokens={args.max_tokens} duration={args.duration}s/cell")
     print(f"{'mode':<11} {'conc':>4} {'reqs':>5} {'err':>3} {'req/s':>7} {'out tok/s':>9} "
           f"{'p50 s':>7} {'p95 s':>7} {'tau':>5}")
     for r in rows:
         print(f"{r['mode']:<11} {r['concurrency']:>4} {r['requests']:>5} {r['errors']:>3} {r['req_per_s']:>7.2f} "
               f"{r['tok_per_s']:>9.1f} {r['p50_s']:>7.2f} {r['p95_s']:>7.2f} {r['tau']:>5.2f}")
+    ar = {r["concurrency"]: r for r in rows if r["mode"] == "no drafter"}
+    for r in rows:
+        if r["mode"] == "drafter" and r["concurrency"] in ar and ar[r["concurrency"]]["tok_per_s"] > 0:
+            print(f"drafter vs AR at concurrency {r['concurrency']}: "
+                  f"{r['tok_per_s'] / ar[r['concurrency']]['tok_per_s']:.2f}x output tokens/s")
+    for r in rows:
+        if r["long"]:
+            print(f"{r['mode']}: {r['long'].get('prompt_tokens')}-token prompt answered in "
+                  f"{r['long'].get('latency_s', float('nan')):.1f} s; short requests meanwhile p50 "
+                  f"{r['p50_s']:.2f} s, p95 {r['p95_s']:.2f} s")
     return 0
 
 
