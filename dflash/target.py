@@ -150,7 +150,40 @@ class TargetShape:
         return self.config.vocab_size
 
 
-class Target(TargetShape):
+def stop_token_ids(tokenizer, eos: int | list[int] | None) -> list[int]:
+    """End-of-turn/sequence ids: `eos` (a generation config's) plus the tokenizer's eos and
+    the usual end-of-turn tokens it knows."""
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer is None:
+        return sorted(set(ids))
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
+            ids.append(tid)
+    return sorted(set(ids))
+
+
+class ChatText:
+    """What a target's tokenizer does for a server: its chat template, as token ids."""
+
+    tokenizer: object
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """Token ids of a conversation through the target's own chat template."""
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs)
+        if hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
+            out = out["input_ids"]
+        return list(out)
+
+    def chat_template_hash(self) -> str:
+        tmpl = self.tokenizer.chat_template or ""
+        return hashlib.sha256(str(tmpl).encode()).hexdigest()[:16]
+
+
+class Target(TargetShape, ChatText):
     """A frozen causal LM with the three things DFlash needs from it: its embedding,
     its LM head, and a forward that returns logits plus the tapped hidden states."""
 
@@ -174,18 +207,8 @@ class Target(TargetShape):
 
     @property
     def stop_token_ids(self) -> list[int]:
-        """End-of-turn/sequence ids: generation_config eos plus the tokenizer's eos."""
-        ids = getattr(self.model.generation_config, "eos_token_id", None)
-        ids = [ids] if isinstance(ids, int) else list(ids or [])
-        if self.tokenizer is None:
-            return sorted(set(ids))
-        if self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
-            tid = self.tokenizer.convert_tokens_to_ids(tok)
-            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
-                ids.append(tid)
-        return sorted(set(ids))
+        """End-of-turn/sequence ids: generation_config eos plus the tokenizer's."""
+        return stop_token_ids(self.tokenizer, getattr(self.model.generation_config, "eos_token_id", None))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(input_ids)
@@ -195,18 +218,6 @@ class Target(TargetShape):
         CPU bf16 linear down a bmm path that copies the whole (V, D) weight per call."""
         flat = hidden.reshape(-1, hidden.shape[-1]).to(self.dtype)
         return self.model.lm_head(flat).view(*hidden.shape[:-1], -1)
-
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
-        """Token ids of a conversation through the target's own chat template."""
-        out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs)
-        if hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
-            out = out["input_ids"]
-        return list(out)
-
-    def chat_template_hash(self) -> str:
-        tmpl = self.tokenizer.chat_template or ""
-        return hashlib.sha256(str(tmpl).encode()).hexdigest()[:16]
 
     @torch.no_grad()
     def forward(
@@ -282,14 +293,26 @@ def weights_hash(model_dir: Path) -> str:
 
 
 @dataclass(frozen=True)
-class TargetInfo(TargetShape):
-    """A target without its weights: what a drafter config, a data check or a plan needs."""
+class TargetInfo(TargetShape, ChatText):
+    """A target without its weights: what a drafter config, a data check, a plan or a
+    server whose engine holds the weights elsewhere (serve/vllm_engine.py) needs."""
 
     config: object  # the transformers PretrainedConfig
     tokenizer: object
     target_id: str
     weights_hash: str
     model_dir: Path
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """As Target.stop_token_ids, from the directory's generation_config.json."""
+        from transformers import GenerationConfig
+
+        try:
+            eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = getattr(self.config, "eos_token_id", None)
+        return stop_token_ids(self.tokenizer, eos)
 
 
 def inspect_target(spec: str = "default", cache_dir: str | Path | None = None) -> TargetInfo:

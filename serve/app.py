@@ -106,13 +106,20 @@ class DFlashServer:
         torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
         self.api_keys = load_api_keys(cfg)
-        pair = load_pair(DecodeConfig.of(cfg))  # CheckpointError names a mismatch: the replica refuses to start
-        self.target, self.decoder = pair.target, pair.decoder
-        self.drafter_name, self.corpus_name = pair.drafter_source, pair.corpus_source
-        self.metrics = ReplicaMetrics(pair.decoder.max_width)
-        self.engine = BatchingEngine(pair.decoder, cfg.max_batch_size, cfg.max_context_tokens, self.metrics.on_step,
-                                     prefill_chunk_tokens=cfg.prefill_chunk_tokens,
-                                     prefill_slice_s=cfg.prefill_slice_ms / 1000)
+        if cfg.engine == "vllm":  # vLLM decodes in its own process; we keep the text side
+            from serve.vllm_engine import start_vllm_engine
+
+            self.target, self.engine, self.drafter_name = start_vllm_engine(cfg)
+            self.corpus_name = None
+            self.metrics = ReplicaMetrics(self.engine.max_width)
+        else:
+            pair = load_pair(DecodeConfig.of(cfg))  # CheckpointError names a mismatch: the replica refuses to start
+            self.target = pair.target
+            self.drafter_name, self.corpus_name = pair.drafter_source, pair.corpus_source
+            self.metrics = ReplicaMetrics(pair.decoder.max_width)
+            self.engine = BatchingEngine(pair.decoder, cfg.max_batch_size, cfg.max_context_tokens,
+                                         self.metrics.on_step, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+                                         prefill_slice_s=cfg.prefill_slice_ms / 1000)
         self.model_name = cfg.model_name or self.target.target_id
         self.model_names = {self.model_name, cfg.app_name}  # what `model` may say (the app name is an alias)
         self.specials = special_token_texts(self.target.tokenizer)
@@ -123,8 +130,8 @@ class DFlashServer:
         self._live: dict[int, Generation] = {}  # id(gen) -> gen (a dataclass: unhashable)
         self._drain_deadline: float | None = None  # unix seconds, once the runner asked this app to drain
         self._drain_task: asyncio.Task | None = None
-        log.info("replica ready: %s drafter=%s block=%d lookup=%s corpus=%s", self.model_name, self.drafter_name,
-                 pair.decoder.block_size, pair.decoder.lookup, self.corpus_name)
+        log.info("replica ready: %s engine=%s drafter=%s corpus=%s %s", self.model_name, cfg.engine,
+                 self.drafter_name, self.corpus_name, self.engine.describe())
 
     # --- plumbing -------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -231,7 +238,7 @@ class DFlashServer:
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
-                    queued = gen.request is None
+                    queued = not gen.started
                     self.engine.cancel(gen, "timeout")
                     raise P.APIError(503, f"request timed out after {self.cfg.request_timeout_s:g} s "
                                           f"({'waiting for a batch slot' if queued else 'generating'})",
@@ -316,7 +323,7 @@ class DFlashServer:
     async def health(self) -> dict:
         return {"status": "ok", "running": self.engine.num_running, "waiting": self.engine.num_waiting,
                 "steps": self.engine.counters.steps, "max_batch_size_seen": self.engine.counters.max_batch_size_seen,
-                "block_size": self.decoder.block_size, "max_width": self.decoder.max_width}
+                **self.engine.describe()}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -395,6 +402,10 @@ def build_app(cfg: ServeConfig) -> Application:
 
     if cfg.ray_address is None:  # local: refuse a key source that yields no key before any replica starts
         load_api_keys(cfg)
+        if cfg.engine == "vllm":  # ... or an engine that is not installed (FileNotFoundError)
+            from serve.vllm_engine import vllm_python
+
+            vllm_python()
     check_pair(DecodeConfig.of(cfg))
     autoscaling = {"min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas,
                    "target_ongoing_requests": cfg.target_ongoing_requests,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from dflash.config_file import ConfigError, build_config, load_config, parse_override, read_yaml_mapping
 from dflash.pair import DecodeConfig
@@ -24,6 +24,7 @@ from dflash.pair import DecodeConfig
 # Keys of a Ray Serve config file that are not ServeConfig fields; Ray reads them, we skip them.
 _RAY_ONLY_KEYS = ("proxy_location", "grpc_options", "logging_config", "tracing_config",
                   "controller_options", "target_capacity")
+ENGINES = ("native", "vllm")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class ServeConfig(DecodeConfig):
     STAGE: ClassVar[str] = "serve"
 
     model_name: str | None = None  # the id /v1/models reports; default: the target id
+    # what decodes: "native" (dflash.decoding: lookup, corpus, trees, adaptive width) or
+    # "vllm" (vLLM's engine with the drafter, in its own venv: serve/vllm_engine.py)
+    engine: Literal["native", "vllm"] = "native"
+    vllm_kv_cache_gib: int = 2  # engine vllm on CPU: its KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)
     # HTTP
     host: str = "127.0.0.1"
     port: int = 8000
@@ -69,6 +74,11 @@ class ServeConfig(DecodeConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}: use one of {', '.join(ENGINES)}")
+        if self.engine == "vllm" and (self.tree_nodes or self.drafter == "random"):
+            raise ValueError("engine vllm takes a trained drafter and verifies one chain: tree_nodes and "
+                             "drafter=random need engine native")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_batch_size < 1:

@@ -80,6 +80,11 @@ class Generation:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def started(self) -> bool:
+        """Its prefill finished (it left the queue and emitted its first token)."""
+        return self.request is not None
+
     async def tokens(self) -> AsyncIterator[list[int]]:
         """Newly emitted token ids, as they come; raises if the engine failed this request."""
         while True:
@@ -137,6 +142,10 @@ class BatchingEngine:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    def describe(self) -> dict:
+        """What /health reports of the engine."""
+        return {"engine": "native", "block_size": self.decoder.block_size, "max_width": self.decoder.max_width}
 
     def room(self, prompt_len: int) -> int:
         """Largest max_new_tokens a prompt of this length may ask for (< 1: prompt too long)."""
