@@ -72,6 +72,11 @@ def _seed(seed: int, key: str, turn: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{key}:{turn}".encode()).digest()[:8], "little") >> 1
 
 
+def row_seed(seed: int, row: int) -> int:
+    """The sampling seed of row `row` of a batch generated with `seed`."""
+    return _seed(seed, "row", row)
+
+
 @torch.no_grad()
 def generate_batch(target, prompts: list[list[int]], params: GenerationParams, seed: int = 0) -> list[list[int]]:
     """One batched generation -> each response cut after its first stop token (kept).
@@ -86,7 +91,7 @@ def generate_batch(target, prompts: list[list[int]], params: GenerationParams, s
     from dflash.decoding import SamplingParams, SpeculativeDecoder
 
     sp = [SamplingParams(max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-                         top_p=params.top_p, seed=_seed(seed, "row", i)) for i in range(len(prompts))]
+                         top_p=params.top_p, seed=row_seed(seed, i)) for i in range(len(prompts))]
     return [r.output_ids for r in SpeculativeDecoder(target).generate(prompts, sp)]
 
 
@@ -117,9 +122,13 @@ def _hf_generate_batch(target, prompts: list[list[int]], params: GenerationParam
 
 
 def regenerate(
-    target, conversations: list[tuple[str | None, list[str]]], params: GenerationParams, seed: int = 0, key: str = ""
+    target, conversations: list[tuple[str | None, list[str]]], params: GenerationParams, seed: int = 0, key: str = "",
+    generate=None,
 ) -> list[tuple[list[int], list[int]]]:
     """(system, user turns) per conversation -> (input_ids, loss_mask) per conversation.
+
+    generate: what writes each turn's responses, generate_batch's signature (default: it;
+    pipelines/vllm_generate.VllmGenerator: vLLM).
 
     Conversations whose first prompt does not fit max_seq_len must be filtered out before
     (the distill driver rejects them); later turns that do not fit are simply not generated.
@@ -142,7 +151,7 @@ def regenerate(
             prompts.append(p)
         if not active:
             break
-        responses = generate_batch(target, prompts, params, _seed(seed, key, turn))
+        responses = (generate or generate_batch)(target, prompts, params, _seed(seed, key, turn))
         for i, p, r in zip(active, prompts, responses):
             history[i] = history[i] + [{"role": "user", "content": conversations[i][1][turn]},
                                        {"role": "assistant", "content": tok.decode(r, skip_special_tokens=True)}]

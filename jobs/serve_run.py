@@ -45,7 +45,7 @@ def run_serve(cfg: ServeConfig, ready: threading.Event | None = None, stop: thre
         raise FileNotFoundError(f"drafter directory not found: {cfg.drafter}")
     check_pair(DecodeConfig.of(cfg))  # a pair that cannot work is refused before Ray starts
     if cfg.engine == "vllm" and cfg.ray_address is None:
-        from serve.vllm_engine import vllm_python
+        from dflash.vllm_env import vllm_python
 
         vllm_python()  # FileNotFoundError: no vLLM venv here, refused before Ray starts
     stop = stop or threading.Event()

@@ -31,7 +31,7 @@ class VllmUnavailable(RuntimeError):
 def vllm_python() -> Path:
     """The interpreter of the vLLM venv (serve.vllm_engine.vllm_python, the one rule for
     where it is); VllmUnavailable when there is none."""
-    from serve.vllm_engine import vllm_python as locate
+    from dflash.vllm_env import vllm_python as locate
 
     try:
         return locate()

@@ -81,6 +81,9 @@ class DistillConfig:
     thinking: bool | None = None
     seed: int = 0
     # features
+    # what writes the responses: "native" (our decode loop) or "vllm" (vLLM in its own venv,
+    # pipelines/vllm_generate.py); the features are our teacher-forced pass either way
+    engine: Literal["native", "vllm"] = "native"
     features: Literal["taps", "none"] = "taps"
     num_taps: int = 5
     target_layer_ids: tuple[int, ...] | None = None  # default: the paper's spread of num_taps
@@ -118,6 +121,10 @@ class DistillConfig:
 
         parse_dtype(self.dtype)
         self.generation()  # validates the generation fields
+        if self.engine not in ("native", "vllm"):
+            raise ValueError(f"unknown engine {self.engine!r}: use native or vllm")
+        if self.engine == "vllm" and self.top_k:
+            raise ValueError("engine vllm does not take top_k here; use engine native")
 
     def generation(self) -> GenerationParams:
         return GenerationParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
@@ -334,11 +341,15 @@ class PreparedRun:
 
         return WorkerSpec(target=cfg.target, dtype=cfg.dtype, device=cfg.device, output_dir=str(self.out),
                           metadata=self.meta, params=cfg.generation(), seed=cfg.seed, batch_size=cfg.batch_size,
-                          torch_threads=max(1, math.floor(cfg.num_cpus_per_actor)))
+                          torch_threads=max(1, math.floor(cfg.num_cpus_per_actor)), engine=cfg.engine)
 
 
 def prepare_run(cfg: DistillConfig) -> PreparedRun:
     """Start-up checks, the claim on output_dir (fingerprint), the plan and its rejects."""
+    if cfg.engine == "vllm" and cfg.ray_address is None:
+        from dflash.vllm_env import vllm_python
+
+        vllm_python()  # FileNotFoundError: no vLLM venv on this machine, refused before any work
     out = prepare_output_dir(cfg.output_dir)
     info = inspect_target(cfg.target)
     layer_ids = tapped_layers(cfg, info.num_layers)

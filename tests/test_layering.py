@@ -7,6 +7,9 @@
 
 and no import cycle between project modules. Every import counts, including the lazy ones
 inside functions: a cycle or an upward arrow is there whether or not it runs at start-up.
+
+One file is a program, not a module: dflash/vllm_worker.py runs in the vLLM venv (it is the
+only file that imports vllm) and nothing imports it; that is checked too.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ FORBIDDEN = {
     "serve": {"pipelines", "jobs", "deepspeed"},
     "jobs": set(),
 }
+VLLM_PROGRAMS = {"dflash/vllm_worker.py": {"vllm"}}  # may import these; must import nothing of ours
 
 
 def module_name(path: Path, root: Path = REPO) -> str:
@@ -101,10 +105,20 @@ def test_no_layer_imports_what_it_must_not():
     problems = []
     for pkg, banned in FORBIDDEN.items():
         for path in sorted((REPO / pkg).rglob("*.py")):
+            rel = str(path.relative_to(REPO))
             for mod in sorted(imports_of(path)):
-                if mod.split(".")[0] in banned:
-                    problems.append(f"{path.relative_to(REPO)} imports {mod}")
+                top = mod.split(".")[0]
+                if rel in VLLM_PROGRAMS:
+                    if top in PACKAGES:
+                        problems.append(f"{rel} (run in the vLLM venv) imports our {mod}")
+                elif top in banned:
+                    problems.append(f"{rel} imports {mod}")
     assert not problems, "layering broken:\n" + "\n".join(problems)
+
+
+def test_the_vllm_program_is_imported_by_nothing():
+    importers = [name for name, deps in project_graph().items() if "dflash.vllm_worker" in deps]
+    assert not importers, f"dflash/vllm_worker.py runs in the vLLM venv; imported by {importers}"
 
 
 def test_no_import_cycle_between_project_modules():

