@@ -1,6 +1,6 @@
 """Distillation throughput vs a plain transformers generate loop, and feature bytes/token.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_distill.py --limit 16 --max-new-tokens 64
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_distill.py --limit 16 --max-new-tokens 64 [--engines native,vllm]
 
 Both sides regenerate the same first turns of the same ShareGPT prompts with the default
 target (fp32, greedy, same stop tokens):
@@ -9,7 +9,10 @@ target (fp32, greedy, same stop tokens):
             plus the tapped-feature forward and zstd Parquet writing; timed end to end
             (Ray Dataset start-up and actor model loading included)
 Generated tokens/s counts response tokens only (the loss-mask tokens). Storage compares the
-written shard bytes per token with raw fp16 features (n_taps * D * 2 bytes).
+written shard bytes per token with raw fp16 features (n_taps * D * 2 bytes). --engines
+runs the distill side once per engine (native: our decode loop; vllm: vLLM writes the
+responses, pipelines/vllm_generate.py; start-up of each actor's engine included) into
+separate directories and says whether their tokens are identical.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--actors", type=int, default=2)
+    ap.add_argument("--engines", default="native")
+    ap.add_argument("--no-baseline", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -55,29 +60,43 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="bench-distill-")
     cfg = DistillConfig(limit=args.limit, max_new_tokens=args.max_new_tokens, max_turns=1, max_seq_len=1024,
                         batch_size=args.batch_size, shard_size=args.batch_size, num_actors=args.actors,
-                        num_cpus_per_actor=1, output_dir=out, progress=False)
+                        num_cpus_per_actor=1, output_dir=os.path.join(out, "native"), progress=False)
     plan = plan_samples(cfg, inspect_target("default").tokenizer)
     tok = inspect_target("default").tokenizer
     prompts = [chat_prompt_ids(tok, ([{"role": "system", "content": s["system"]}] if s["system"] else [])
                                + [{"role": "user", "content": s["users"][0]}]) for s in plan.samples]
 
     torch.set_num_threads(os.cpu_count() or 1)
-    base_tokens, base_s = baseline(prompts, args.max_new_tokens)
+    base_tokens, base_s = (0, float("nan")) if args.no_baseline else baseline(prompts, args.max_new_tokens)
 
+    import dataclasses
+
+    import pyarrow.parquet as pq
+
+    engines, rows = {}, {}
     init_ray("local", num_cpus=args.actors, log_to_driver=False)
     try:
-        t0 = time.perf_counter()
-        summary = run_distill(cfg)
-        dist_s = time.perf_counter() - t0
+        for engine in args.engines.split(","):
+            run_cfg = dataclasses.replace(cfg, engine=engine, output_dir=os.path.join(out, engine))
+            t0 = time.perf_counter()
+            summary = run_distill(run_cfg)
+            dist_s = time.perf_counter() - t0
+            engines[engine] = {"generated_tokens_per_s": round(summary["loss_tokens"] / dist_s, 1),
+                               "seconds_end_to_end": round(dist_s, 1)}
+            table = pq.read_table(run_cfg.output_dir, columns=["sample_id", "input_ids"])
+            rows[engine] = dict(zip(table.column("sample_id").to_pylist(), table.column("input_ids").to_pylist()))
     finally:
         ray.shutdown()
+    first = next(iter(rows.values()))
     dist_tokens = summary["loss_tokens"]
     result = {
         "samples": len(prompts),
         "max_new_tokens": args.max_new_tokens,
+        "engines": engines,
+        "engines_identical_tokens": all(r == first for r in rows.values()),
         "baseline_generated_tokens": base_tokens,
         "baseline_seconds": round(base_s, 1),
-        "baseline_generated_tokens_per_s": round(base_tokens / base_s, 1),
+        "baseline_generated_tokens_per_s": round(base_tokens / base_s, 1) if base_tokens else None,
         "distill_generated_tokens": dist_tokens,
         "distill_seconds_end_to_end": round(dist_s, 1),
         "distill_generated_tokens_per_s": round(dist_tokens / dist_s, 1),

@@ -98,7 +98,9 @@ def run_cell(url: str, concurrency: int, duration: float, max_tokens: int, long_
                     out = r.json()
                     latencies.append(dt)
                     tokens.append(out["usage"]["completion_tokens"])
-                    taus.append(out["dflash"]["tau"])
+                    tau = (out.get("dflash") or {}).get("tau")  # engine vllm reports none per request
+                    if tau is not None:
+                        taus.append(tau)
                 i += concurrency
 
     t0 = time.perf_counter()
@@ -131,6 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--short-tokens", type=int, default=16, help="new tokens of each short request in that cell")
     ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of the one replica")
     ap.add_argument("--torch-threads", type=int, default=1, help="the replica's torch_threads (config default 1)")
+    ap.add_argument("--engines", default="native", help="comma-separated: native, vllm (serve/vllm_engine.py)")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
 
@@ -154,10 +157,14 @@ def main(argv=None) -> int:
     rows = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        for mode, path in (("no drafter", None), ("drafter", drafter)):
-            cfg = ServeConfig(target=args.target, drafter=path, dtype=args.dtype, max_batch_size=max(levels),
+        modes = [(engine, mode, path) for engine in args.engines.split(",")
+                 for mode, path in (("no drafter", None), ("drafter", drafter))]
+        for engine, mode, path in modes:
+            mode = mode if engine == "native" else f"{engine} {mode}"
+            cfg = ServeConfig(target=args.target, drafter=path, dtype=args.dtype, max_batch_size=max(levels), engine=engine,
                               max_ongoing_requests=2 * max(levels) + 1, num_cpus_per_replica=args.num_cpus,
-                              torch_threads=args.torch_threads, max_context_tokens=None, app_name="bench")
+                              torch_threads=args.torch_threads, max_context_tokens=None, app_name="bench",
+                              max_queued_requests=64)
             serve.run(build_app(cfg), name="bench", route_prefix="/")
             run_cell(url, 1, 0.1, 4)  # warm up
             for c in levels:
@@ -177,16 +184,17 @@ def main(argv=None) -> int:
           f"{args.num_cpus} CPU, torch_threads {args.torch_threads}")
     print(f"target={args.target} dtype={args.dtype} drafter={args.drafter} "
           f"max_tokens={args.max_tokens} duration={args.duration}s/cell")
-    print(f"{'mode':<11} {'conc':>4} {'reqs':>5} {'err':>3} {'req/s':>7} {'out tok/s':>9} "
+    print(f"{'mode':<16} {'conc':>4} {'reqs':>5} {'err':>3} {'req/s':>7} {'out tok/s':>9} "
           f"{'p50 s':>7} {'p95 s':>7} {'tau':>5}")
     for r in rows:
-        print(f"{r['mode']:<11} {r['concurrency']:>4} {r['requests']:>5} {r['errors']:>3} {r['req_per_s']:>7.2f} "
+        print(f"{r['mode']:<16} {r['concurrency']:>4} {r['requests']:>5} {r['errors']:>3} {r['req_per_s']:>7.2f} "
               f"{r['tok_per_s']:>9.1f} {r['p50_s']:>7.2f} {r['p95_s']:>7.2f} {r['tau']:>5.2f}")
-    ar = {r["concurrency"]: r for r in rows if r["mode"] == "no drafter"}
+    ar = {(r["mode"].replace("no drafter", "drafter"), r["concurrency"]): r for r in rows if "no drafter" in r["mode"]}
     for r in rows:
-        if r["mode"] == "drafter" and r["concurrency"] in ar and ar[r["concurrency"]]["tok_per_s"] > 0:
-            print(f"drafter vs AR at concurrency {r['concurrency']}: "
-                  f"{r['tok_per_s'] / ar[r['concurrency']]['tok_per_s']:.2f}x output tokens/s")
+        base = ar.get((r["mode"], r["concurrency"]))
+        if base is not None and base["tok_per_s"] > 0:
+            print(f"{r['mode']} vs its AR at concurrency {r['concurrency']}: "
+                  f"{r['tok_per_s'] / base['tok_per_s']:.2f}x output tokens/s")
     for r in rows:
         if r["long"]:
             print(f"{r['mode']}: {r['long'].get('prompt_tokens')}-token prompt answered in "

@@ -19,6 +19,10 @@ and reads from our stdout
     {"id": "r1", "error": "..."}                                     the request failed
 Everything else that would reach stdout (vLLM's own prints) goes to stderr. Closing our
 stdin (the parent exited) shuts the engine down.
+
+vLLM runs its engine core in child processes. They must not outlive us, even when we are
+SIGKILLed (Ray kills an actor's children when the actor goes): we lead our own process
+group, and a forked watchdog kills the whole group once we are gone.
 """
 
 from __future__ import annotations
@@ -26,7 +30,25 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
+import time
+
+
+def watch_over_group() -> None:
+    """Lead a process group (vLLM's children join it) and fork a watchdog that kills the
+    group, itself included, once this process is gone, however it died."""
+    if os.getpgid(0) != os.getpid():
+        os.setpgid(0, 0)
+    me = os.getpid()
+    if os.fork() == 0:  # the watchdog: stdlib only, no pipes held
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(devnull, 1)
+        while os.getppid() == me:
+            time.sleep(0.5)
+        os.killpg(me, signal.SIGKILL)
+        os._exit(0)
 
 
 def protocol_stdout():
@@ -97,6 +119,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.splitlines()[2].strip(), file=sys.stderr)
         return 2
     spec = json.loads(argv[1])
+    watch_over_group()
     out = protocol_stdout()
     asyncio.run(serve(spec, out))
     return 0

@@ -33,7 +33,8 @@ class VllmGenerator:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gib)))
         t0 = time.perf_counter()
         self._proc = subprocess.Popen(worker_command(json.dumps(spec)), stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=env, cwd=REPO, text=True, bufsize=1)
+                                      stdout=subprocess.PIPE, env=env, cwd=REPO, text=True, bufsize=1,
+                                      start_new_session=True)  # its own group: see dflash/vllm_worker.py
         line = self._proc.stdout.readline()  # the worker's first line: ready (or EOF if it died)
         if not line or json.loads(line).get("event") != "ready":
             self.close()

@@ -98,7 +98,8 @@ class VllmEngine:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gib)))
         t0 = time.perf_counter()
         self._proc = subprocess.Popen(worker_command(json.dumps(spec)), stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=env, cwd=REPO, text=True, bufsize=1)
+                                      stdout=subprocess.PIPE, env=env, cwd=REPO, text=True, bufsize=1,
+                                      start_new_session=True)  # its own group: see dflash/vllm_worker.py
         ready = self._read_ready(start_timeout_s)
         self.version = ready.get("version", "?")
         self.startup_s = time.perf_counter() - t0
