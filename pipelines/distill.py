@@ -308,7 +308,12 @@ def distill_shards(cfg: DistillConfig, spec, todo: list[tuple[int, list[dict]]])
     ray = _init_ray(cfg)
     # Ray Data's own bars on a terminal; in logs (jobs, CI) they become a status block every
     # 10 s, so there only the per-sample bar below reports progress
-    ray.data.DataContext.get_current().enable_progress_bars = cfg.progress and sys.stderr.isatty()
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = cfg.progress and sys.stderr.isatty()
+    # a shard is one task: on a CPU a shard of long multi-turn answers takes more than Ray
+    # Data's default 30 minutes of "no progress" (which failed such a run); each finished
+    # shard is on disk, so a genuinely stuck run is stopped by its user, and resumes
+    ctx.execution_no_progress_timeout_s = -1
     items = [{"shard": i, "samples": json.dumps(samples)} for i, samples in todo]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
     ds = ds.map_batches(ShardDistiller, fn_constructor_kwargs={"spec": spec}, batch_size=1,
