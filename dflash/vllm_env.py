@@ -9,7 +9,9 @@ protocol is in that file's docstring). This module only finds the two files.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,3 +33,23 @@ def vllm_python() -> Path:
 def worker_command(spec_json: str) -> list[str]:
     """argv that starts the pipe worker in the vLLM venv."""
     return [str(vllm_python()), str(WORKER), spec_json]
+
+
+def start_worker(spec: dict, threads: int = 1, kv_cache_gib: int = 2) -> subprocess.Popen:
+    """Start the pipe worker on `spec` (its docstring) in its own process group, with text
+    pipes on stdin/stdout; its stderr is ours. The caller reads the "ready" line."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gib)))
+    return subprocess.Popen(worker_command(json.dumps(spec)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=env, cwd=REPO, text=True, bufsize=1,
+                            start_new_session=True)  # its own group: see dflash/vllm_worker.py
+
+
+def stop_worker(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    """Close its stdin (it shuts its engine down and exits); kill it if it does not."""
+    if proc.poll() is None:
+        try:
+            proc.stdin.close()
+            proc.wait(timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()

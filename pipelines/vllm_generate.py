@@ -11,13 +11,11 @@ draws differently from our loop, so they are not the same samples.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 
 from dflash.regenerate import GenerationParams, row_seed
-from dflash.vllm_env import REPO, VLLM_DTYPES, worker_command
+from dflash.vllm_env import VLLM_DTYPES, start_worker, stop_worker
 
 
 class VllmGenerator:
@@ -30,11 +28,8 @@ class VllmGenerator:
         self.stop_token_ids = list(stop_token_ids)
         spec = {"target": str(Path(target_dir).resolve()), "dtype": VLLM_DTYPES[dtype],
                 "max_model_len": int(max_model_len), "max_num_seqs": int(max_num_seqs), "drafter": None}
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gib)))
         t0 = time.perf_counter()
-        self._proc = subprocess.Popen(worker_command(json.dumps(spec)), stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=env, cwd=REPO, text=True, bufsize=1,
-                                      start_new_session=True)  # its own group: see dflash/vllm_worker.py
+        self._proc = start_worker(spec, threads, kv_cache_gib)
         line = self._proc.stdout.readline()  # the worker's first line: ready (or EOF if it died)
         if not line or json.loads(line).get("event") != "ready":
             self.close()
@@ -71,13 +66,7 @@ class VllmGenerator:
         self._proc.stdin.flush()
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            try:
-                self._proc.stdin.close()
-                self._proc.wait(20)
-            except (OSError, subprocess.TimeoutExpired):
-                self._proc.kill()
-                self._proc.wait()
+        stop_worker(self._proc)
 
     def __del__(self):
         proc = getattr(self, "_proc", None)

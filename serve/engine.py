@@ -65,25 +65,19 @@ class EngineCounters:
 
 
 @dataclass
-class Generation:
-    """One request's handle: the caller reads `tokens()` and finally `finish_reason`/`stats()`."""
+class Handle:
+    """What a caller holds of one request, whichever engine decodes it: read `tokens()`,
+    then `finish_reason`. The engine puts token lists, an error, then None on `events`."""
 
     prompt_ids: list[int]
     params: SamplingParams
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    request: Request | None = None
     cancel_reason: str | None = None
     finish_reason: str | None = None
-    batch_sizes: list[int] = field(default_factory=list)  # rows of each step it took part in
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def started(self) -> bool:
-        """Its prefill finished (it left the queue and emitted its first token)."""
-        return self.request is not None
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         """Newly emitted token ids, as they come; raises if the engine failed this request."""
@@ -94,6 +88,19 @@ class Generation:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+
+@dataclass
+class Generation(Handle):
+    """A request in this engine: its row's Request once prefilled, the batch sizes it saw."""
+
+    request: Request | None = None
+    batch_sizes: list[int] = field(default_factory=list)  # rows of each step it took part in
+
+    @property
+    def started(self) -> bool:
+        """Its prefill finished (it left the queue and emitted its first token)."""
+        return self.request is not None
 
     def stats(self) -> dict:
         """The speculative statistics of this request (the API's `dflash` extension)."""

@@ -24,18 +24,15 @@ import asyncio
 import itertools
 import json
 import logging
-import os
 import select
-import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
 
 from dflash.sampling import SamplingParams
-from dflash.vllm_env import REPO, VLLM_DTYPES, worker_command
-from serve.engine import ContextTooLong, EngineCounters
+from dflash.vllm_env import VLLM_DTYPES, start_worker, stop_worker
+from serve.engine import ContextTooLong, EngineCounters, Handle
 
 log = logging.getLogger(__name__)
 
@@ -45,30 +42,12 @@ class VllmUnavailable(RuntimeError):
 
 
 @dataclass
-class VllmGeneration:
-    """One request's handle, as serve.engine.Generation: tokens(), finish_reason, stats()."""
+class VllmGeneration(Handle):
+    """A request in vLLM: its id on the pipe, whether vLLM sent tokens yet."""
 
-    prompt_ids: list[int]
-    params: SamplingParams
-    rid: str
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancel_reason: str | None = None
-    finish_reason: str | None = None
+    rid: str = ""
     started: bool = False  # vLLM sent its first tokens
     generated: int = 0
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    async def tokens(self) -> AsyncIterator[list[int]]:
-        while True:
-            item = await self.events.get()
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
 
     def stats(self) -> dict:
         return {"engine": "vllm", "generated_tokens": self.generated}
@@ -95,11 +74,8 @@ class VllmEngine:
         spec = {"target": str(Path(target_dir).resolve()), "dtype": VLLM_DTYPES[dtype],
                 "max_model_len": self.context_budget, "max_num_seqs": max_batch_size,
                 "drafter": str(Path(drafter_dir).resolve()) if drafter_dir else None, "block": block}
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gib)))
         t0 = time.perf_counter()
-        self._proc = subprocess.Popen(worker_command(json.dumps(spec)), stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=env, cwd=REPO, text=True, bufsize=1,
-                                      start_new_session=True)  # its own group: see dflash/vllm_worker.py
+        self._proc = start_worker(spec, threads, kv_cache_gib)
         ready = self._read_ready(start_timeout_s)
         self.version = ready.get("version", "?")
         self.startup_s = time.perf_counter() - t0
@@ -148,7 +124,7 @@ class VllmEngine:
         if self._proc.poll() is not None:
             raise RuntimeError(f"vLLM engine exited (code {self._proc.returncode})")
         self._loop = asyncio.get_running_loop()
-        gen = VllmGeneration(list(prompt_ids), params, f"r{next(self._ids)}")
+        gen = VllmGeneration(list(prompt_ids), params, rid=f"r{next(self._ids)}")
         self._live[gen.rid] = gen
         self._send({"op": "generate", "id": gen.rid, "prompt_ids": gen.prompt_ids,
                     "max_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
@@ -165,15 +141,9 @@ class VllmEngine:
     async def close(self) -> None:
         await asyncio.to_thread(self.shutdown)
 
-    def shutdown(self, timeout_s: float = 20.0) -> None:
+    def shutdown(self) -> None:
         """Close the pipe (the worker shuts its engine down), then make sure it is gone."""
-        if self._proc.poll() is None:
-            try:
-                self._proc.stdin.close()
-                self._proc.wait(timeout_s)
-            except (OSError, subprocess.TimeoutExpired):
-                self._proc.kill()
-                self._proc.wait()
+        stop_worker(self._proc)
 
     def __del__(self):
         proc = getattr(self, "_proc", None)
