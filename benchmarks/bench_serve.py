@@ -57,20 +57,28 @@ def random_drafter_dir(target_spec: str, out: str, block_size: int) -> str:
     return str(save_drafter(DFlashDrafter(cfg), out))
 
 
-def long_prompt(tokens: int) -> str:
-    """A user message of about `tokens` tokens (numbered sentences, so nothing repeats exactly)."""
-    return " ".join(f"Note {i}: the river rose {i % 7} feet near mill {i % 13}." for i in range(tokens // 20))
+def long_prompt(tokens: int, target: str = "default") -> str:
+    """A user message of `tokens` tokens of the target's tokenizer (numbered sentences, so
+    nothing repeats exactly)."""
+    from dflash.target import inspect_target
+
+    tok = inspect_target(target).tokenizer
+    text = " ".join(f"Note {i}: the river rose {i % 7} feet near mill {i % 13}." for i in range(tokens // 8))
+    return tok.decode(tok(text, add_special_tokens=False)["input_ids"][:tokens])
 
 
-def run_cell(url: str, concurrency: int, duration: float, max_tokens: int, long_tokens: int = 0) -> dict:
+def run_cell(url: str, concurrency: int, duration: float, max_tokens: int, long_tokens: int = 0,
+             target: str = "default") -> dict:
     """Closed-loop load for `duration` seconds (with long_tokens: until the long prompt is
     answered, so every short request timed ran while it prefilled); returns the cell's figures."""
     stop_at = time.perf_counter() + duration
     long_out: dict = {}
     long_done = threading.Event()
     if long_tokens:
+        text = long_prompt(long_tokens, target)
+
         def send_long():
-            body = {"messages": [{"role": "user", "content": long_prompt(long_tokens)}], "max_tokens": 1,
+            body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1,
                     "temperature": 0}
             t0 = time.perf_counter()
             r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=600)
@@ -171,7 +179,7 @@ def main(argv=None) -> int:
                 rows.append({"mode": mode, "concurrency": c, **run_cell(url, c, args.duration, args.max_tokens)})
                 print(f"  done: {mode} c={c}", file=sys.stderr, flush=True)
             if args.long_prompt_tokens:
-                cell = run_cell(url, levels[0], args.duration, args.short_tokens, args.long_prompt_tokens)
+                cell = run_cell(url, levels[0], args.duration, args.short_tokens, args.long_prompt_tokens, args.target)
                 rows.append({"mode": mode, "concurrency": f"{levels[0]}+L", **cell})
                 print(f"  done: {mode} long prompt {cell['long']}", file=sys.stderr, flush=True)
             serve.delete("bench")
