@@ -2,7 +2,8 @@
 
     DFlashServer  a Serve deployment wrapping a FastAPI app (@serve.ingress): auth,
                   OpenAI routes, SSE streaming, metrics. Decoding is the BatchingEngine's
-                  (serve/engine.py): concurrent requests share batched speculative steps.
+                  (serve/engine.py: concurrent requests share batched speculative steps),
+                  or with `engine: vllm` vLLM's in a child process (serve/vllm_engine.py)
     build_app     ServeConfig -> Application (replica resources and autoscaling from the config)
     app_builder   the `import_path` of serve/config.yaml, for `serve run serve/config.yaml`
 
