@@ -169,7 +169,8 @@ def main(argv=None) -> int:
                  for mode, path in (("no drafter", None), ("drafter", drafter))]
         for engine, mode, path in modes:
             mode = mode if engine == "native" else f"{engine} {mode}"
-            cfg = ServeConfig(target=args.target, drafter=path, dtype=args.dtype, max_batch_size=max(levels), engine=engine,
+            slots = max(levels) + bool(args.long_prompt_tokens)  # the long prompt must not take a short one's slot
+            cfg = ServeConfig(target=args.target, drafter=path, dtype=args.dtype, max_batch_size=slots, engine=engine,
                               max_ongoing_requests=2 * max(levels) + 1, num_cpus_per_replica=args.num_cpus,
                               torch_threads=args.torch_threads, max_context_tokens=None, app_name="bench",
                               max_queued_requests=64)
