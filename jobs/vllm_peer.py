@@ -19,17 +19,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dflash.vllm_env import VLLM_DTYPES, VllmUnavailable
+
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
-_VLLM_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-
-
-class VllmUnavailable(RuntimeError):
-    """The vLLM venv is missing or its engine failed; the message says which and what to run."""
 
 
 def vllm_python() -> Path:
-    """The interpreter of the vLLM venv (serve.vllm_engine.vllm_python, the one rule for
+    """The interpreter of the vLLM venv (dflash.vllm_env.vllm_python, the one rule for
     where it is); VllmUnavailable when there is none."""
     from dflash.vllm_env import vllm_python as locate
 
@@ -67,7 +64,7 @@ def run_vllm_many(target: str, runs: list[dict], prompts: list[list[int]], max_n
         work = Path(tmp)
         prepared = [dict(run, drafter=vllm_ready(run["drafter"], work) if run.get("drafter") else None)
                     for run in runs]
-        spec = {"target": str(Path(target_dir).resolve()), "dtype": _VLLM_DTYPES[dtype],
+        spec = {"target": str(Path(target_dir).resolve()), "dtype": VLLM_DTYPES[dtype],
                 "prompts": [list(map(int, p)) for p in prompts], "max_new_tokens": int(max_new_tokens),
                 "stop_token_ids": [int(t) for t in stop_token_ids], "sequential": sequential,
                 "kv_cache_gib": kv_cache_gib, "runs": prepared}

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from dflash.regenerate import GenerationParams, row_seed
-from dflash.vllm_env import VLLM_DTYPES, start_worker, stop_worker
+from dflash.vllm_env import VLLM_DTYPES, VllmUnavailable, start_worker, stop_worker
 
 
 class VllmGenerator:
@@ -33,7 +33,7 @@ class VllmGenerator:
         line = self._proc.stdout.readline()  # the worker's first line: ready (or EOF if it died)
         if not line or json.loads(line).get("event") != "ready":
             self.close()
-            raise RuntimeError(f"vLLM engine did not start (exit code {self._proc.poll()}); see the actor's stderr")
+            raise VllmUnavailable(f"vLLM engine did not start (exit code {self._proc.poll()}); see the actor's stderr")
         self.startup_s = time.perf_counter() - t0
         self._batches = 0
 

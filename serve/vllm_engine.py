@@ -31,14 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.sampling import SamplingParams
-from dflash.vllm_env import VLLM_DTYPES, start_worker, stop_worker
+from dflash.vllm_env import VLLM_DTYPES, VllmUnavailable, start_worker, stop_worker
 from serve.engine import ContextTooLong, EngineCounters, Handle
 
 log = logging.getLogger(__name__)
-
-
-class VllmUnavailable(RuntimeError):
-    """vLLM's engine failed to start; the message says so, its log is the replica's stderr."""
 
 
 @dataclass
