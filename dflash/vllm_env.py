@@ -17,6 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO / ".venv-vllm"
 WORKER = Path(__file__).resolve().with_name("vllm_worker.py")  # runs in the vLLM venv; imported by nothing
+ENGINES = ("native", "vllm")  # what decodes in serving and distillation: dflash.decoding, or vLLM
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # ours -> vLLM's (its own names pass too)
 VLLM_DTYPES |= {v: v for v in list(VLLM_DTYPES.values())}
 

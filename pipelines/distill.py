@@ -121,8 +121,10 @@ class DistillConfig:
 
         parse_dtype(self.dtype)
         self.generation()  # validates the generation fields
-        if self.engine not in ("native", "vllm"):
-            raise ValueError(f"unknown engine {self.engine!r}: use native or vllm")
+        from dflash.vllm_env import ENGINES
+
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}: use one of {', '.join(ENGINES)}")
         if self.engine == "vllm" and self.top_k:
             raise ValueError("engine vllm does not take top_k here; use engine native")
 

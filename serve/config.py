@@ -20,11 +20,11 @@ from typing import ClassVar, Literal
 
 from dflash.config_file import ConfigError, build_config, load_config, parse_override, read_yaml_mapping
 from dflash.pair import DecodeConfig
+from dflash.vllm_env import ENGINES
 
 # Keys of a Ray Serve config file that are not ServeConfig fields; Ray reads them, we skip them.
 _RAY_ONLY_KEYS = ("proxy_location", "grpc_options", "logging_config", "tracing_config",
                   "controller_options", "target_capacity")
-ENGINES = ("native", "vllm")
 
 
 @dataclass(frozen=True)
