@@ -4,10 +4,21 @@ One Parquet row per sample, standard Arrow types only, so plain pyarrow reads a 
 output directory:
 
     sample_id   string                     stable hash of the source conversation
-    input_ids   list<int32>                prompt + regenerated responses, template tokens
-    loss_mask   list<uint8>                1 on regenerated assistant tokens (end-of-turn too)
+    input_ids   list<int32>                prompt + responses, template tokens
+    loss_mask   list<uint8>                1 on assistant tokens (end-of-turn too)
     num_tokens  int32                      len(input_ids)
     hidden      list<fixed_size_list<float16, n_taps*D>>   optional: tapped layer outputs
+    target_ids  list<int32>                teacher-forced data only: the target's greedy
+                                           token at each position, given the tokens before
+                                           it (position 0: input_ids[0])
+
+Two kinds of responses (metadata `responses`):
+    regenerated  the target wrote them (greedy or sampled): input_ids are the labels
+    source       the source's own replies, teacher-forced: one target pass gives the
+                 features and target_ids, which are the labels; a block position is
+                 scored only while the source tokens before it in the block equal the
+                 target's own (dflash.masks.block_labels). ~40x cheaper per token on a
+                 CPU than regenerating, at the price of blocks that leave the target's path.
 
 Every file carries the same JSON metadata under the b"dflash" key (`DatasetMetadata`).
 Training reads it back with `check_dataset` and refuses data made for another target,
@@ -155,8 +166,12 @@ def split_of(sid: str, heldout_fraction: float) -> str:
 
 # --- schema and metadata --------------------------------------------------------------------
 
-def distill_schema(hidden_width: int | None) -> pa.Schema:
-    """Arrow schema of a shard; hidden_width = n_taps * D, or None for tokens-only data."""
+RESPONSES = ("regenerated", "source")
+
+
+def distill_schema(hidden_width: int | None, target_ids: bool = False) -> pa.Schema:
+    """Arrow schema of a shard; hidden_width = n_taps * D, or None for tokens-only data;
+    target_ids for teacher-forced ("source") data."""
     fields = [
         pa.field("sample_id", pa.string(), nullable=False),
         pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
@@ -165,6 +180,8 @@ def distill_schema(hidden_width: int | None) -> pa.Schema:
     ]
     if hidden_width is not None:
         fields.append(pa.field("hidden", pa.list_(pa.list_(pa.float16(), hidden_width)), nullable=False))
+    if target_ids:
+        fields.append(pa.field("target_ids", pa.list_(pa.int32()), nullable=False))
     return pa.schema(fields)
 
 
@@ -183,17 +200,24 @@ class DatasetMetadata:
     generation: dict = field(default_factory=dict, hash=False)
     feature_dtype: str = FEATURE_DTYPE
     format_version: int = FORMAT_VERSION
+    responses: str = "regenerated"  # RESPONSES: "source" = teacher-forced, with target_ids
+
+    def __post_init__(self):
+        if self.responses not in RESPONSES:
+            raise DataMismatchError(f"responses must be one of {RESPONSES}, got {self.responses!r}")
 
     @property
     def hidden_width(self) -> int | None:
         return len(self.target_layer_ids) * self.hidden_size if self.features == "taps" else None
 
     def schema(self) -> pa.Schema:
-        return distill_schema(self.hidden_width).with_metadata(self.encode())
+        return distill_schema(self.hidden_width, self.responses == "source").with_metadata(self.encode())
 
     def encode(self) -> dict[bytes, bytes]:
         d = asdict(self)
         d["target_layer_ids"] = list(self.target_layer_ids)
+        if d["responses"] == "regenerated":  # the original kind: its files (and run fingerprints) stay as they were
+            del d["responses"]
         return {METADATA_KEY: _canonical(d)}
 
     @classmethod
@@ -269,11 +293,13 @@ def build_table(
     input_ids: list[list[int]],
     loss_masks: list[list[int]],
     hidden: list[np.ndarray] | None = None,
+    target_ids: list[list[int]] | None = None,
 ) -> pa.Table:
     """Rows -> a Table with the exact shard schema (explicit standard Arrow types, so every
     file of a directory agrees and plain pyarrow reads them together).
 
     hidden: per sample (num_tokens, n_taps*D) float16, or None when meta.features == "none".
+    target_ids: per sample, as long as input_ids, exactly when meta.responses == "source".
     """
     lengths = [len(s) for s in input_ids]
     if [len(m) for m in loss_masks] != lengths:
@@ -291,6 +317,12 @@ def build_table(
             raise ValueError(f"hidden must be one (num_tokens, {width}) array per sample")
         flat = pa.array(np.concatenate([h.reshape(-1) for h in hidden]).astype(np.float16), pa.float16())
         cols.append(pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(flat, width)))
+    if (target_ids is not None) != (meta.responses == "source"):
+        raise ValueError("target_ids are given exactly for teacher-forced (responses 'source') data")
+    if target_ids is not None:
+        if [len(t) for t in target_ids] != lengths:
+            raise ValueError("target_ids and input_ids lengths differ")
+        cols.append(pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(target_ids).astype(np.int32), pa.int32())))
     return pa.Table.from_arrays(cols, schema=meta.schema())
 
 

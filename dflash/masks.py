@@ -104,21 +104,35 @@ def training_attention_mask(
 
 
 def block_labels(
-    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int,
+    target_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same-position labels: slot k (1..B-1) of block j predicts token anchor_j + k.
 
     -> labels (b, A, B-1) long, label_valid (b, A, B-1) bool (in range, response token,
     valid anchor).
+
+    target_ids (b, T), for teacher-forced data (dflash.data: a source text with the
+    target's greedy token at each position): slot k's label is then the target's token at
+    anchor + k, and the slot counts only while the source tokens at anchor+1 .. anchor+k-1
+    equal the target's own, i.e. while the block is still on the target's greedy path.
+    Example: input [a b c d e], target [- b X d e], anchor 0, B 4: labels [b X d],
+    valid [1 1 0] (slot 3 follows the source's c where the target wrote X).
     """
     t = input_ids.shape[1]
     k = torch.arange(1, block_size, device=anchors.device)
     pos = anchors[..., None] + k  # (b, A, B-1)
     in_range = pos < t
     pos_c = pos.clamp(max=t - 1)
-    labels = input_ids.gather(1, pos_c.flatten(1)).view_as(pos)
+    source = target_ids if target_ids is not None else input_ids
+    labels = source.gather(1, pos_c.flatten(1)).view_as(pos)
     scored = loss_mask.bool().gather(1, pos_c.flatten(1)).view_as(pos)
-    return labels, in_range & scored & anchor_valid[..., None]
+    valid = in_range & scored & anchor_valid[..., None]
+    if target_ids is not None:
+        agree = (input_ids == target_ids).gather(1, pos_c.flatten(1)).view_as(pos)  # at anchor + k
+        on_path = torch.cat([torch.ones_like(agree[..., :1]), agree[..., :-1]], -1).long().cumprod(-1).bool()
+        valid = valid & on_path
+    return labels, valid
 
 
 def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:

@@ -98,6 +98,7 @@ def dflash_loss(
     label_index=None,
     soft_labels: tuple[torch.Tensor, torch.Tensor] | None = None,
     soft_weight: float = 1.0,
+    target_ids: torch.Tensor | None = None,
 ) -> LossOutput:
     """Weighted same-position cross-entropy over random blocks.
 
@@ -112,6 +113,10 @@ def dflash_loss(
     token AT each position (from its logits one position earlier). With them the loss is
     (1 - soft_weight) * hard CE + soft_weight * CE against that distribution, renormalised
     over its draftable entries (logit distillation; accuracies still count hard labels).
+
+    target_ids (b, T): teacher-forced data's labels, the target's greedy token at each
+    position; a slot is scored only while the block follows the target's own path
+    (dflash.masks.block_labels).
     """
     cfg = drafter.config
     B = cfg.block_size
@@ -122,7 +127,7 @@ def dflash_loss(
         anchors = sample_anchors(loss_mask, num_anchors, generator)
     anchor_pos, anchor_valid = anchors
     hidden = drafter_training_hidden(drafter, embed, input_ids, taps, context_valid, anchor_pos)
-    labels, label_valid = block_labels(input_ids, loss_mask, anchor_pos, anchor_valid, B)
+    labels, label_valid = block_labels(input_ids, loss_mask, anchor_pos, anchor_valid, B, target_ids)
     # score only the scored slots: the LM head over 49K+ rows is the dominant cost
     slots = hidden[:, :, 1:]  # (b, A, B-1, D)
     sel = label_valid.nonzero(as_tuple=True)

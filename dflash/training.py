@@ -1,7 +1,8 @@
 """The training pieces that need no cluster: torch only, shared by the Ray Train worker
 (pipelines/train_worker.py), the one-device experiments in benchmarks/ and the tests.
 
-    rows      table_rows / read_rows: a distilled shard's token (and tap) columns as arrays
+    rows      table_rows / read_rows: a distilled shard's token (and tap) columns as arrays;
+              label_rows: teacher-forced data's target_ids column
     batches   right_pad, collate -> MicroBatch: right-padded tensors of a few rows
     features  target_features: the frozen target's taps of a padded batch;
               round_to_storage: the one rule that turns features into stored numbers
@@ -49,6 +50,15 @@ def table_rows(table, max_seq_len: int | None = None, with_hidden: bool = False)
     return ids, masks, hidden
 
 
+def label_rows(table, max_seq_len: int | None = None) -> list[np.ndarray] | None:
+    """The target_ids column of teacher-forced data (dflash.data) as per-row int32 arrays cut
+    to max_seq_len, or None for regenerated data (no such column: the tokens are the labels)."""
+    if "target_ids" not in table.column_names:
+        return None
+    cut = slice(None, max_seq_len)
+    return [np.asarray(x, dtype=np.int32)[cut] for x in table.column("target_ids").to_numpy(zero_copy_only=False)]
+
+
 def read_rows(files, max_seq_len: int | None = None, with_hidden: bool = False, max_rows: int | None = None):
     """table_rows over whole shard files, in file order: the first max_rows rows (all if None)."""
     import pyarrow.parquet as pq
@@ -72,6 +82,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # (b, T) bool
     valid: torch.Tensor  # (b, T) bool, False on padding
     taps: torch.Tensor | None  # (b, T, n_taps*D) stored (float16) features, when the rows carry them
+    target_ids: torch.Tensor | None = None  # (b, T) long: teacher-forced data's labels (dflash.data)
 
     @property
     def tokens(self) -> int:
@@ -91,8 +102,10 @@ def right_pad(rows) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, valid
 
 
-def collate(ids: list[np.ndarray], masks: list[np.ndarray], hidden: list[np.ndarray] | None) -> MicroBatch:
-    """Rows from table_rows -> one MicroBatch (taps only when hidden is given)."""
+def collate(ids: list[np.ndarray], masks: list[np.ndarray], hidden: list[np.ndarray] | None,
+            labels: list[np.ndarray] | None = None) -> MicroBatch:
+    """Rows from table_rows -> one MicroBatch (taps only when hidden is given, target_ids
+    only when labels (label_rows) are)."""
     input_ids, valid = right_pad(ids)
     loss_mask = torch.zeros_like(valid)
     taps = None
@@ -102,7 +115,7 @@ def collate(ids: list[np.ndarray], masks: list[np.ndarray], hidden: list[np.ndar
         loss_mask[i, : len(m)] = torch.from_numpy(np.asarray(m).astype(bool))
         if taps is not None:
             taps[i, : len(m)] = torch.from_numpy(np.ascontiguousarray(hidden[i]))
-    return MicroBatch(input_ids, loss_mask, valid, taps)
+    return MicroBatch(input_ids, loss_mask, valid, taps, right_pad(labels)[0] if labels is not None else None)
 
 
 # --- target features ---------------------------------------------------------------------------
@@ -196,8 +209,9 @@ class DrafterObjective(nn.Module):
         self.register_buffer("tap_scale", torch.tensor(tap_scale, dtype=torch.float32) if tap_scale else None)
         self._head = None  # OutputHead, built on first use (the draft vocabulary is fixed by then)
 
-    def forward(self, input_ids, loss_mask, taps, valid, generator):
-        """input_ids, loss_mask, valid (b, T); taps (b, T, n_taps*D) -> dflash.objective.LossOutput."""
+    def forward(self, input_ids, loss_mask, taps, valid, generator, target_ids=None):
+        """input_ids, loss_mask, valid (b, T); taps (b, T, n_taps*D); target_ids (b, T) for
+        teacher-forced data -> dflash.objective.LossOutput."""
         target = self._target[0]
         if self.tap_scale is not None:
             taps = taps.float() * self.tap_scale
@@ -206,7 +220,7 @@ class DrafterObjective(nn.Module):
         head = self._head
         return dflash_loss(self.drafter, target.embed, head.logits, input_ids, loss_mask, taps, valid,
                            num_anchors=self.num_anchors, gamma=self.gamma, generator=generator,
-                           label_index=head.index)
+                           label_index=head.index, target_ids=target_ids)
 
 
 @torch.no_grad()
@@ -266,7 +280,8 @@ def heldout_metrics(drafter: DFlashDrafter, target, batch: MicroBatch, taps: tor
     with torch.autocast(dev.type, dtype=autocast, enabled=autocast is not None):
         out = dflash_loss(drafter, target.embed, head.logits, batch.input_ids.to(dev), batch.loss_mask.to(dev),
                           taps.to(dev), batch.valid.to(dev), anchors=tuple(a.to(dev) for a in anchors),
-                          label_index=head.index)
+                          label_index=head.index,
+                          target_ids=batch.target_ids.to(dev) if batch.target_ids is not None else None)
     drafter.train(was_training)
     acc = out.accuracy.tolist()
     return {"eval_loss": round(float(out.loss), 4), "eval_accuracy": [round(a, 4) for a in acc],

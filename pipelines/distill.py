@@ -42,11 +42,12 @@ from typing import ClassVar, Literal
 
 import pyarrow.parquet as pq
 
-from dflash.data import (DUPLICATE, FORMAT_VERSION, MANIFEST_NAME, REJECTS_NAME, TOO_LONG, DatasetMetadata,
+from dflash.data import (DUPLICATE, EMPTY, FORMAT_VERSION, MANIFEST_NAME, REJECTS_NAME, TOO_LONG, DatasetMetadata,
                          Reject, normalize_conversation, prompt_turns, raw_record_id, sample_id, shard_files,
                          shard_name, split_of)
 from dflash.regenerate import GenerationParams, chat_prompt_ids
 from dflash.sources import SourceError, Unparsable, iter_records, resolve_source
+from dflash.teacher_forcing import source_messages
 
 RUN_NAME = "_run.json"
 
@@ -71,6 +72,11 @@ class DistillConfig:
     split: Literal["train", "heldout", "all"] = "train"
     heldout_fraction: float = 0.02
     limit: int = 64  # accepted samples; 0 = the whole split
+    # "regenerated": the target writes every reply (the default); "source": the source's own
+    # replies, teacher-forced, labelled with the target's greedy tokens (dflash/teacher_forcing.py:
+    # ~40x cheaper per token on a CPU; max_new_tokens is then only the room the first prompt
+    # must leave, and sequences are cut at max_seq_len)
+    responses: Literal["regenerated", "source"] = "regenerated"
     # generation
     max_new_tokens: int = 128
     max_turns: int = 2
@@ -127,6 +133,13 @@ class DistillConfig:
             raise ValueError(f"unknown engine {self.engine!r}: use one of {', '.join(ENGINES)}")
         if self.engine == "vllm" and self.top_k:
             raise ValueError("engine vllm does not take top_k here; use engine native")
+        from dflash.data import RESPONSES
+
+        if self.responses not in RESPONSES:
+            raise ValueError(f"unknown responses {self.responses!r}: use one of {', '.join(RESPONSES)}")
+        if self.responses == "source" and (self.temperature or self.engine != "native"):
+            raise ValueError("responses source labels replies with the target's greedy tokens in one teacher-forced "
+                             "pass: it takes temperature 0 and engine native")
 
     def generation(self) -> GenerationParams:
         return GenerationParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
@@ -180,7 +193,7 @@ def prepare_output_dir(path: str) -> Path:
 
 @dataclass
 class Plan:
-    samples: list[dict]  # {"sample_id", "system", "users"} in source order
+    samples: list[dict]  # {"sample_id", "system", "users"} (+ "messages" for source replies) in source order
     rejects: list[dict]  # {"index", "sample_id", "reason", "detail"} in source order
 
     def reject_counts(self) -> dict[str, int]:
@@ -213,8 +226,11 @@ def plan_samples(cfg: DistillConfig, tokenizer) -> Plan:
             continue
         reason, detail = None, ""
         system, users = prompt_turns(messages)
+        kept = source_messages(messages, cfg.max_turns) if cfg.responses == "source" else None
         if sid in seen:
             reason = DUPLICATE
+        elif kept is not None and not any(m["role"] == "assistant" for m in kept):
+            reason, detail = EMPTY, "no assistant reply to teacher-force"
         else:
             first = ([{"role": "system", "content": system}] if system is not None else []) + \
                     [{"role": "user", "content": users[0]}]
@@ -225,7 +241,8 @@ def plan_samples(cfg: DistillConfig, tokenizer) -> Plan:
             plan.rejects.append({"index": index, "sample_id": sid, "reason": reason, "detail": detail})
             continue
         seen.add(sid)
-        plan.samples.append({"sample_id": sid, "system": system, "users": users})
+        plan.samples.append({"sample_id": sid, "system": system, "users": users}
+                            | ({"messages": kept} if kept is not None else {}))
     return plan
 
 
@@ -368,7 +385,7 @@ def prepare_run(cfg: DistillConfig) -> PreparedRun:
     meta = DatasetMetadata(
         target_id=info.target_id, weights_hash=info.weights_hash, num_target_layers=info.num_layers,
         hidden_size=info.hidden_size, target_layer_ids=layer_ids, features=cfg.features,
-        compute_dtype=cfg.dtype, chat_template_hash=tmpl,
+        compute_dtype=cfg.dtype, chat_template_hash=tmpl, responses=cfg.responses,
         generation=dataclasses.asdict(cfg.generation()) | {"seed": cfg.seed, "batch_size": cfg.batch_size})
     fingerprint = run_fingerprint(cfg, meta, src_hash)
     claim = _check_claim(out, fingerprint)

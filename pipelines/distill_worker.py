@@ -2,8 +2,8 @@
 
 Lives in the installed package (not in a test or script) so Ray workers can import it.
 Each input row is a whole shard (its index and its samples as JSON); the actor regenerates
-the shard's conversations in micro-batches of `batch_size`, taps the target's hidden
-states, and writes the shard with dflash.data.write_shard (temporary name + atomic
+the shard's conversations in micro-batches of `batch_size` and taps the target's hidden
+states (or, with `responses: source`, teacher-forces the source's replies in one pass each), and writes the shard with dflash.data.write_shard (temporary name + atomic
 rename). It returns only a small summary row, so nothing heavy crosses the object store.
 
 Why files are written here rather than by Dataset.write_parquet: a shard's file name is
@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from dflash.data import DatasetMetadata, build_table, shard_name, write_shard
 from dflash.regenerate import GenerationParams, regenerate, tapped_hidden
+from dflash.teacher_forcing import source_sequence, teacher_forced
 
 SUMMARY_SCHEMA = pa.schema([
     ("shard", pa.int64()), ("samples", pa.int64()), ("tokens", pa.int64()),
@@ -76,12 +77,16 @@ class ShardDistiller:
         return pa.Table.from_pylist(rows, schema=SUMMARY_SCHEMA)
 
     def distill_shard(self, index: int, samples: list[dict]) -> dict:
-        """samples: [{"sample_id", "system", "users"}] -> writes part-<index>.parquet."""
+        """samples: [{"sample_id", "system", "users"}] (+ "messages" for responses
+        source) -> writes part-<index>.parquet."""
         t0 = time.perf_counter()
         path = Path(self.spec.output_dir) / shard_name(index)
         if path.exists():  # a retry of a task whose file was already renamed into place
             counts = pq.read_table(path, columns=["num_tokens", "loss_mask"])
             return self._summary(index, counts, path.stat().st_size, t0)
+        if self.spec.metadata.responses == "source":
+            table = self.teacher_force(samples)
+            return self._summary(index, table, write_shard(table, path), t0)
         meta, ids, seqs, masks, hidden = self.spec.metadata, [], [], [], []
         for start in range(0, len(samples), self.spec.batch_size):
             part = samples[start: start + self.spec.batch_size]
@@ -96,6 +101,22 @@ class ShardDistiller:
         table = build_table(meta, ids, seqs, masks, hidden if meta.features == "taps" else None)
         size = write_shard(table, path)
         return self._summary(index, table, size, t0)
+
+    def teacher_force(self, samples: list[dict]) -> pa.Table:
+        """samples with their source "messages" -> the shard's table: one target pass per
+        conversation gives its features and labels (dflash/teacher_forcing.py)."""
+        meta, params, tok = self.spec.metadata, self.spec.params, self.target.tokenizer
+        seqs, masks, hidden, labels = [], [], [], []
+        for s in samples:
+            ids, mask = source_sequence(tok, s["messages"], self.target.stop_token_ids, params.max_seq_len,
+                                        params.thinking)
+            taps, target_ids = teacher_forced(self.target, ids, meta.target_layer_ids)
+            seqs.append(ids)
+            masks.append(mask)
+            hidden.append(taps)
+            labels.append(target_ids)
+        return build_table(meta, [s["sample_id"] for s in samples], seqs, masks,
+                           hidden if meta.features == "taps" else None, labels)
 
     @staticmethod
     def _summary(index: int, table: pa.Table, size: int, t0: float) -> dict:

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from dflash.data import DataMismatchError, DatasetMetadata, check_dataset, shard_files
-from dflash.training import collate, most_frequent_tokens, read_rows, table_rows, token_counts
+from dflash.training import collate, label_rows, most_frequent_tokens, read_rows, table_rows, token_counts
 
 TOKEN_COLUMNS = ["input_ids", "loss_mask", "num_tokens"]
 
@@ -77,10 +77,12 @@ def draft_vocabulary(info: DataInfo, vocab_size: int, k: int) -> tuple[tuple[int
 
 
 def read_dataset(info: DataInfo, offline: bool):
-    """A Ray Dataset over the shards; online mode never reads the (large) hidden column."""
+    """A Ray Dataset over the shards; online mode never reads the (large) hidden column;
+    teacher-forced data brings its labels (target_ids)."""
     import ray
 
     columns = TOKEN_COLUMNS + (["hidden"] if offline else [])
+    columns += ["target_ids"] if info.metadata.responses == "source" else []
     return ray.data.read_parquet(list(info.files)).select_columns(columns)
 
 
@@ -94,8 +96,10 @@ def micro_batches(shard, *, micro_batch_size: int, bucket_batches: int, max_seq_
     buffer_rows = micro_batch_size * bucket_batches
     for table in shard.iter_batches(batch_size=buffer_rows, batch_format="pyarrow", prefetch_batches=1):
         ids, masks, hidden = table_rows(table, max_seq_len, offline)
+        labels = label_rows(table, max_seq_len)
         order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
         groups = [order[i: i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
         rng.shuffle(groups)
         for g in groups:
-            yield collate([ids[i] for i in g], [masks[i] for i in g], [hidden[i] for i in g] if offline else None)
+            yield collate([ids[i] for i in g], [masks[i] for i in g], [hidden[i] for i in g] if offline else None,
+                          [labels[i] for i in g] if labels is not None else None)

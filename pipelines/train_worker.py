@@ -142,8 +142,9 @@ class TrainWorker:
         taps = mb.taps if cfg.offline else round_to_storage(
             target_features(target, mb.input_ids, mb.valid, self.plan.drafter.target_layer_ids))
         seed = ((cfg.seed * 1_000_003 + self.progress.epoch) * 1_000_003 + i) * 4099 + self.rank
+        labels = mb.target_ids.to(dev) if mb.target_ids is not None else None  # teacher-forced data
         out = self.engine(mb.input_ids.to(dev), mb.loss_mask.to(dev), taps.to(dev, target.dtype), mb.valid.to(dev),
-                          torch.Generator().manual_seed(seed))
+                          torch.Generator().manual_seed(seed), labels)
         self.engine.backward(out.loss)
         self.engine.step()
         return out

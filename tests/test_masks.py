@@ -120,6 +120,37 @@ def test_block_ids_positions_labels_match_loop():
                 assert int(labels[0, j, k - 1]) == 100 + pos
 
 
+def test_teacher_forced_labels_follow_the_targets_path():
+    """The docstring's example, then a loop over every anchor: slot k is labelled with the
+    target's token and counts only while the source agreed with the target before it."""
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    target = torch.tensor([[0, 2, 9, 4, 5]])  # the target wrote 9 where the source has 3
+    labels, lv = block_labels(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([[0]]),
+                              torch.tensor([[True]]), 4, target_ids=target)
+    assert labels.tolist() == [[[2, 9, 4]]] and lv.tolist() == [[[True, True, False]]]
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 3, (2, 12), generator=g)
+    target = torch.where(torch.rand(2, 12, generator=g) < 0.6, ids, torch.randint(0, 3, (2, 12), generator=g))
+    loss_mask = torch.rand(2, 12, generator=g) < 0.8
+    anchors = torch.tensor([[0, 3, 6, 9], [1, 2, 5, 10]])
+    valid = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    B = 5
+    labels, lv = block_labels(ids, loss_mask, anchors, valid, B, target_ids=target)
+    plain_labels, plain_lv = block_labels(ids, loss_mask, anchors, valid, B)
+    for b in range(2):
+        for j in range(4):
+            a = int(anchors[b, j])
+            for k in range(1, B):
+                pos = a + k
+                ok = bool(valid[b, j]) and pos < 12 and bool(loss_mask[b, pos])
+                assert bool(plain_lv[b, j, k - 1]) == ok  # source labels: no path condition
+                ok = ok and all(int(ids[b, a + i]) == int(target[b, a + i]) for i in range(1, k))
+                assert bool(lv[b, j, k - 1]) == ok, (b, j, k)
+                if ok:
+                    assert int(labels[b, j, k - 1]) == int(target[b, pos])
+
+
 def test_position_weights():
     w = position_weights(16, 7.0)
     assert w.shape == (15,)
