@@ -142,8 +142,13 @@ def main(argv=None) -> int:
     ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of the one replica")
     ap.add_argument("--torch-threads", type=int, default=1, help="the replica's torch_threads (config default 1)")
     ap.add_argument("--engines", default="native", help="comma-separated: native, vllm (serve/vllm_engine.py)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a ServeConfig field for both modes, e.g. --set prefill_share=0.5 (repeatable)")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
+    from dflash.config_file import parse_override
+
+    overrides = dict(parse_override(item) for item in args.set)
 
     import ray
     from ray import serve
@@ -173,7 +178,7 @@ def main(argv=None) -> int:
             cfg = ServeConfig(target=args.target, drafter=path, dtype=args.dtype, max_batch_size=slots, engine=engine,
                               max_ongoing_requests=2 * max(levels) + 1, num_cpus_per_replica=args.num_cpus,
                               torch_threads=args.torch_threads, max_context_tokens=None, app_name="bench",
-                              max_queued_requests=64)
+                              max_queued_requests=64, **overrides)
             serve.run(build_app(cfg), name="bench", route_prefix="/")
             run_cell(url, 1, 0.1, 4)  # warm up
             for c in levels:
@@ -191,7 +196,7 @@ def main(argv=None) -> int:
     cpu = cpu_description()
     print(f"\ncpu: {cpu['model']}, native bf16: {cpu['avx512_bf16'] or cpu['amx_bf16']}; replica: "
           f"{args.num_cpus} CPU, torch_threads {args.torch_threads}")
-    print(f"target={args.target} dtype={args.dtype} drafter={args.drafter} "
+    print(f"target={args.target} dtype={args.dtype} drafter={args.drafter} {' '.join(args.set)} "
           f"max_tokens={args.max_tokens} duration={args.duration}s/cell")
     print(f"{'mode':<16} {'conc':>4} {'reqs':>5} {'err':>3} {'req/s':>7} {'out tok/s':>9} "
           f"{'p50 s':>7} {'p95 s':>7} {'tau':>5}")

@@ -120,7 +120,8 @@ class DFlashServer:
             self.metrics = ReplicaMetrics(pair.decoder.max_width)
             self.engine = BatchingEngine(pair.decoder, cfg.max_batch_size, cfg.max_context_tokens,
                                          self.metrics.on_step, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
-                                         prefill_slice_s=cfg.prefill_slice_ms / 1000)
+                                         prefill_slice_s=cfg.prefill_slice_ms / 1000,
+                                         prefill_share=cfg.prefill_share)
         self.model_name = cfg.model_name or self.target.target_id
         self.model_names = {self.model_name, cfg.app_name}  # what `model` may say (the app name is an alias)
         self.specials = special_token_texts(self.target.tokenizer)

@@ -55,7 +55,8 @@ class ServeConfig(DecodeConfig):
     max_context_tokens: int | None = None  # context budget; default: the target's
     max_body_bytes: int = 1_000_000  # larger request bodies get 413 before any parsing
     prefill_chunk_tokens: int = 256  # prompt tokens prefilled per engine step at most, between decode steps
-    prefill_slice_ms: float = 100.0  # while other requests decode, a step prefills only what fits this long (0: no cap)
+    prefill_slice_ms: float = 250.0  # while other requests decode, a prefill chunk is only what fits this long (0: no cap)
+    prefill_share: float = 0.3  # while other requests decode, prefill takes at most this share of the time (1: every step)
     max_queued_requests: int = 32  # per replica, waiting for a batch slot (and Serve's router queue): 429 beyond
     request_timeout_s: float = 300.0  # queue + generation; past it: 503 (or an error event in a stream)
     drain_timeout_s: float = 30.0  # on SIGINT/SIGTERM: in-flight requests get this long to finish
@@ -91,6 +92,8 @@ class ServeConfig(DecodeConfig):
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         if self.prefill_slice_ms < 0:
             raise ValueError(f"prefill_slice_ms must be >= 0, got {self.prefill_slice_ms}")
+        if not 0 < self.prefill_share <= 1:
+            raise ValueError(f"prefill_share must be in (0, 1], got {self.prefill_share}")
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if not self.request_timeout_s > 0:

@@ -6,10 +6,16 @@ One asyncio task owns the decoder and the running batch. Each iteration:
              fewest remaining first (a short prompt never waits behind a long one); a
              request whose prefill completes emits its first token and merges into the
              running batch. The tokens an iteration prefills: prefill_chunk_tokens when no
-             row is decoding, else only as many as fit prefill_slice_s at the measured
-             prefill rate, so a long prompt prefills over many iterations while the running
-             rows keep decoding, each of their steps delayed by about prefill_slice_s at
-             most. A request cancelled mid-prefill is dropped before its next chunk;
+             row is decoding. While rows decode, prefill gets `prefill_share` of the
+             engine's time (an iteration prefills only when the prefill time so far is
+             within that share of the decode time), and a chunk only as many tokens as fit
+             prefill_slice_s at the measured prefill rate. So a long prompt prefills over
+             many iterations in chunks large enough to run efficiently, while the running
+             rows keep (1 - prefill_share) of the time and wait at most about one slice.
+             (A chunk's cost grows with the context it attends to: at a 3000-token context
+             a 16-token chunk costs as much as ~80 tokens at the start, so many tiny
+             chunks would slow both.) A request cancelled mid-prefill is dropped before
+             its next chunk;
   2. cancel  requests whose client left or whose stop string matched: finish_reason set,
              then drop_finished removes their rows;
   3. step    one speculative cycle for every row (ragged acceptance per row);
@@ -117,16 +123,20 @@ class BatchingEngine:
 
     def __init__(self, decoder: SpeculativeDecoder, max_batch_size: int = 8,
                  context_budget: int | None = None, on_step: Callable[[StepReport], None] | None = None,
-                 prefill_chunk_tokens: int = 256, prefill_slice_s: float = 0.1):
+                 prefill_chunk_tokens: int = 256, prefill_slice_s: float = 0.25, prefill_share: float = 0.3):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         if prefill_slice_s < 0:
             raise ValueError(f"prefill_slice_s must be >= 0, got {prefill_slice_s}")
+        if not 0 < prefill_share <= 1:
+            raise ValueError(f"prefill_share must be in (0, 1], got {prefill_share}")
         self.prefill_chunk_tokens = prefill_chunk_tokens  # prompt tokens per iteration at most
         self.prefill_slice_s = prefill_slice_s  # prefill time per iteration while rows decode (0: no cap)
+        self.prefill_share = prefill_share  # of the engine's time while rows decode (1: every iteration)
         self._prefill_s_per_token: float | None = None  # measured: EMA over the chunks run
+        self._prefill_credit_s = 0.0  # prefill time earned by decode steps and not yet spent
         self.decoder = decoder
         self.max_batch_size = max_batch_size
         self.context_budget = min(context_budget or decoder.max_positions, decoder.max_positions)
@@ -221,14 +231,32 @@ class BatchingEngine:
         fits = int(self.prefill_slice_s / self._prefill_s_per_token)
         return max(min(self.MIN_PREFILL_TOKENS, self.prefill_chunk_tokens), min(self.prefill_chunk_tokens, fits))
 
+    def prefill_due(self) -> bool:
+        """Whether this iteration prefills: always when no row decodes (or prefill_share is
+        1), else when the prefill time earned by decode steps (prefill_share / (1 -
+        prefill_share) of each step's time) covers what earlier chunks spent."""
+        return not self._running or self.prefill_share >= 1 or self._prefill_credit_s >= 0
+
+    def _account(self, decode_s: float = 0.0, prefill_s: float = 0.0) -> None:
+        """Decode steps earn prefill time, chunks spend it; banked credit stays under one
+        slice, so a long idle-from-prefill stretch does not buy a burst of chunks later."""
+        if self.prefill_share >= 1:
+            return
+        earned = decode_s * self.prefill_share / (1 - self.prefill_share)
+        self._prefill_credit_s = min(self._prefill_credit_s + earned - prefill_s, self.prefill_slice_s)
+
     def _prefill_some(self, budget: int) -> tuple[list[Generation], list[tuple[Generation, Exception]], int]:
         """Up to `budget` prompt tokens of the prefills, fewest remaining first (in a worker
-        thread); the completed ones are merged into the batch.
+        thread); the completed ones are merged into the batch. Once one has completed, only
+        prefills that complete too follow in the same iteration: a short request that just
+        finished its prefill decodes next instead of waiting for a long prompt's chunk.
         -> (completed, failed with their error, prompt tokens run)."""
         start, done, failed = budget, [], []
         self._prefilling.sort(key=lambda item: item[1].remaining_tokens)  # stable: ties stay oldest first
         while self._prefilling and budget > 0:
             gen, pf = self._prefilling[0]
+            if done and pf.remaining_tokens > budget:  # a new row waits: its first step before a partial chunk
+                break
             spend = min(budget, pf.remaining_tokens)
             try:
                 t0 = time.perf_counter()
@@ -301,8 +329,10 @@ class BatchingEngine:
                 except ValueError as e:
                     self._finish(gen, "abort", RuntimeError(f"prefill failed: {e}"))
             self._drop_cancelled_prefills()
-            if self._prefilling:
+            if self._prefilling and self.prefill_due():
+                t_prefill = time.perf_counter()
                 completed, failed, prefilled = await asyncio.to_thread(self._prefill_some, self.prefill_budget())
+                self._account(prefill_s=time.perf_counter() - t_prefill if self._running else 0.0)
                 for gen, e in failed:
                     self._finish(gen, "abort", RuntimeError(f"prefill failed: {e}"))
                 for gen in completed:
@@ -315,12 +345,15 @@ class BatchingEngine:
                 continue
             first = self._batch.requests[0].stats
             draft0, verify0 = first.draft_time_s, first.verify_time_s
+            t_step = time.perf_counter()
             try:
                 emitted = await asyncio.to_thread(self.decoder.step, self._batch)
             except Exception as e:
                 log.exception("decoding step failed")
                 self._fail_running(RuntimeError(f"decoding step failed: {e}"))
                 continue
+            if self._prefilling:  # only time that competes with a waiting prefill earns it credit
+                self._account(decode_s=time.perf_counter() - t_step)
             rows = len(self._running)
             acceptance = []
             for gen, toks in zip(self._running, emitted):
