@@ -236,7 +236,7 @@ class OutputHead:
         # as a 2D product: a sliced 3D input (b=1, strided) sends CPU bf16 linear down a bmm
         # path that copies the whole (V, D) weight per call, ~20x slower
         flat = hidden.reshape(-1, hidden.shape[-1]).to(self.weight.dtype)
-        return F.linear(flat, self.weight).float().view(*hidden.shape[:-1], -1)
+        return F.linear(flat, self.weight).float().view(*hidden.shape[:-1], self.weight.shape[0])
 
     def full(self, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab is None:

@@ -119,3 +119,19 @@ def test_soft_labels_one_hot_equal_hard_labels_and_renormalise(target_fp32, trai
     want = torch.nn.functional.cross_entropy(logits, head.index(ids[sel[0], pos]), reduction="none")
     assert bool((ids[sel[0], pos] != 0).all())
     torch.testing.assert_close(got, want)
+
+
+def test_a_batch_with_nothing_to_score_gives_a_zero_loss(target_fp32, trained):
+    """Rows cut before their first response token (a long prompt at max_seq_len) leave no
+    slot to score: the loss is 0 and backward runs, instead of the step crashing."""
+    from dflash.drafter import OutputHead
+
+    drafter, _, prompts, outputs = trained
+    ids, loss_mask, valid = padded_batch(prompts[:2], outputs[:2])
+    taps = target_features(target_fp32, ids, valid, drafter.config.target_layer_ids)
+    head = OutputHead(target_fp32.model.lm_head.weight, torch.arange(0, 4096, 2))
+    out = dflash_loss(drafter, target_fp32.embed, head.logits, ids, torch.zeros_like(loss_mask), taps, valid,
+                      num_anchors=8, generator=torch.Generator().manual_seed(0), label_index=head.index)
+    assert out.num_predictions == 0 and float(out.loss) == 0.0 and int(out.counts.sum()) == 0
+    out.loss.backward()
+    drafter.zero_grad(set_to_none=True)
