@@ -3,8 +3,9 @@
 Lives in the installed package (not in a test or script) so Ray workers can import it.
 Each input row is a whole shard (its index and its samples as JSON); the actor regenerates
 the shard's conversations in micro-batches of `batch_size` and taps the target's hidden
-states (or, with `responses: source`, teacher-forces the source's replies in one pass each), and writes the shard with dflash.data.write_shard (temporary name + atomic
-rename). It returns only a small summary row, so nothing heavy crosses the object store.
+states (with `responses: source`: teacher-forces the source's replies, one pass each),
+then writes the shard with dflash.data.write_shard (temporary name + atomic rename). It
+returns only a small summary row, so nothing heavy crosses the object store.
 
 Why files are written here rather than by Dataset.write_parquet: a shard's file name is
 fixed by its index, so a retried task (actor killed, node lost) or a rerun after a driver
