@@ -42,7 +42,9 @@ def load_rows(files, max_seq_len, max_rows=None):
     for f in files:
         table = pq.read_table(f)
         ids, masks, hidden = table_rows(table, max_seq_len, with_hidden=True)
+        hidden = [h.copy() for h in hidden]  # own the cut rows: views would keep whole shards in memory
         labels = label_rows(table, max_seq_len)
+        del table
         for out, part in zip(rows, (ids, masks, hidden, labels or [None] * len(ids))):
             out.extend(part)
         if max_rows and len(rows[0]) >= max_rows:
@@ -119,10 +121,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--eval-only", default=None, help="comma-separated drafter dirs (e.g. the shipped one): score "
+                    "them on the same held-out and training rows, train nothing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from dflash.checkpoint import save_drafter
+    from dflash.checkpoint import load_drafter, save_drafter
     from dflash.config import DrafterConfig
     from dflash.data import read_dataset_metadata, shard_files
     from dflash.drafter import OutputHead
@@ -136,7 +140,7 @@ def main() -> None:
     meta = read_dataset_metadata(args.data)
     target = load_target("default", dtype="bf16")
     t0 = time.perf_counter()
-    train = load_rows(files[:-1], args.max_seq_len, args.train_rows or None)
+    train = load_rows(files[:-1], args.max_seq_len, args.eval_rows if args.eval_only else (args.train_rows or None))
     held = load_rows(files[-1:], args.max_seq_len, args.eval_rows)
     counts = token_counts(train[0], train[1], target.vocab_size)
     vocab = most_frequent_tokens(counts, args.vocab)
@@ -147,6 +151,15 @@ def main() -> None:
     eval_sets = {"heldout": micro_batch(held, range(len(held[0]))),
                  "train": micro_batch(train, range(min(args.eval_rows, len(train[0]))))}
     eval_anchors = {k: fixed_anchors(b) for k, b in eval_sets.items()}
+    if args.eval_only:
+        for d in args.eval_only.split(","):
+            drafter = load_drafter(d, target)
+            row = {"drafter": d, "layers": drafter.config.num_hidden_layers}
+            for k, b in eval_sets.items():
+                m = heldout_metrics(drafter, target, b, b.taps.float(), eval_anchors[k], autocast=torch.bfloat16)
+                row[f"{k}_accuracy"], row[f"{k}_implied_tau"] = m["eval_accuracy"], m["eval_implied_tau"]
+            print(json.dumps(row), flush=True)
+        return
     step_ms = target_step_ms(target)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

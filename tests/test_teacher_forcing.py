@@ -77,6 +77,18 @@ def test_bad_settings_are_refused():
         DistillConfig(responses="source", temperature=1.0)
 
 
+def test_reference_configs_load_and_chain():
+    """distill_tf.yaml writes teacher-forced data where train_v2.yaml reads it."""
+    from dflash.config_file import load_config
+    from pipelines.train import TrainConfig
+
+    repo = Path(__file__).resolve().parents[1] / "jobs/configs/reference"
+    data = load_config(DistillConfig, repo / "distill_tf.yaml")
+    train = load_config(TrainConfig, repo / "train_v2.yaml")
+    assert data.responses == "source" and data.temperature == 0 and data.features == "taps"
+    assert train.data == data.output_dir and train.offline and train.checkpoint_every <= 1000
+
+
 @pytest.fixture(scope="module")
 def forced(tmp_path_factory):
     start_local_ray()
@@ -135,3 +147,19 @@ def test_training_reads_the_labels_and_scores_only_the_targets_path(forced, targ
     agree = (mb.input_ids[0] == mb.target_ids[0]) & mb.valid[0]
     assert bool((~agree[mb.loss_mask[0]]).any())  # the source leaves the target's path somewhere ...
     assert labelled.counts[1:].sum() < plain.counts[1:].sum()  # ... so later slots are scored less
+
+
+def test_ray_train_with_deepspeed_trains_on_teacher_forced_data(forced, tmp_path):
+    """`dflash train` end to end on the teacher-forced shards: the labels column travels
+    through Ray Data into the DeepSpeed engine's forward, and a drafter is exported."""
+    from dflash.checkpoint import read_drafter_config
+    from pipelines.train import TrainConfig, run_train
+
+    out, _ = forced
+    meta = read_dataset_metadata(out)
+    cfg = TrainConfig(data=str(out), output_dir=str(tmp_path / "runs"), target_layer_ids=meta.target_layer_ids,
+                      num_anchors=8, block_size=8, micro_batch_size=2, checkpoint_every=2, bucket_batches=2,
+                      lr=1e-3, warmup_ratio=0.0, max_steps=3)
+    summary = run_train(cfg)
+    assert summary["steps"] == 3 and summary["first_loss"] > 0 and summary["final_accuracy"] is not None
+    assert list(read_drafter_config(summary["drafter_dir"]).target_layer_ids) == list(meta.target_layer_ids)
