@@ -17,6 +17,11 @@ rows (training subset), the tau they imply, the steps run, and the decode-time c
 one draft (a block of --decode-block at a 512-token context, median of 30, one thread) next
 to a one-token step of the target. Each drafter is saved under --out/<variant> (public
 layout) for `dflash bench --drafter`, which gives the true tau and speedup.
+`--eval-only DIR,...` scores existing drafters (the shipped one) on the same rows instead.
+
+Memory: the training rows' features live in RAM (~6 GB for 640 rows cut at 1024 tokens),
+and glibc keeps the freed buffers of variable-length batches, so a process grew ~0.2-0.3
+GB/min until started with MALLOC_MMAP_THRESHOLD_=1048576 (large buffers go back to the OS).
 """
 
 from __future__ import annotations
