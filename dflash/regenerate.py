@@ -68,6 +68,17 @@ def chat_prompt_ids(tokenizer, messages: list[dict], thinking: bool | None = Non
     return list(out)
 
 
+def mask_reply(loss_mask: list[int], ids: list[int], start: int, stops: set[int]) -> None:
+    """Set loss_mask to 1 on the reply starting at `start`: up to its first stop token,
+    inclusive (to the end of ids if none). Example: ids [u, u, a, b, <end>, u], start 2
+    -> mask [0, 0, 1, 1, 1, 0]."""
+    end = start
+    while end < len(ids) and ids[end] not in stops:
+        end += 1
+    for j in range(start, min(end + 1, len(ids))):
+        loss_mask[j] = 1
+
+
 def _seed(seed: int, key: str, turn: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{key}:{turn}".encode()).digest()[:8], "little") >> 1
 
@@ -166,11 +177,7 @@ def regenerate(
         input_ids = p + r
         loss_mask = [0] * len(p) + [1] * len(r)
         for start in prompt_starts[i][:-1]:  # earlier turns, found inside the last prompt
-            end = start
-            while end < len(p) and p[end] not in stops:
-                end += 1
-            for j in range(start, min(end + 1, len(p))):
-                loss_mask[j] = 1
+            mask_reply(loss_mask, p, start, stops)
         results.append((input_ids, loss_mask))
     return results
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from dflash.masks import causal_attention_mask
-from dflash.regenerate import chat_prompt_ids, template_kwargs
+from dflash.regenerate import chat_prompt_ids, mask_reply, template_kwargs
 from dflash.training import round_to_storage
 
 
@@ -67,13 +67,8 @@ def source_sequence(tokenizer, messages: list[dict], stop_token_ids, max_seq_len
         if m["role"] != "assistant":
             continue
         prompt = chat_prompt_ids(tokenizer, messages[:i], thinking)
-        if full[: len(prompt)] != prompt:
-            continue
-        end = len(prompt)
-        while end < len(full) and full[end] not in stops:
-            end += 1
-        for j in range(len(prompt), min(end + 1, len(full))):
-            mask[j] = 1
+        if full[: len(prompt)] == prompt:
+            mask_reply(mask, full, len(prompt), stops)
     return full[:max_seq_len], mask[:max_seq_len]
 
 
