@@ -28,7 +28,7 @@ RUN_NAME = "run.json"
 DS_DIR, DS_TAG = "deepspeed", "state"
 # fields that define the drafter and its data; a resumed run must not change them
 MODEL_FIELDS = ("target", "data", "mode", "block_size", "num_draft_layers", "target_layer_ids", "num_taps", "seed",
-                "draft_vocab_size")
+                "draft_vocab_size", "init_from")
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,10 @@ class TrainConfig:
     # random; zero_output: random with o_proj/down_proj at 0 (each layer starts as the identity);
     # target: copy the target's last layers (dflash.training.new_drafter)
     init: Literal["random", "zero_output", "target"] = "random"
+    # a drafter directory (or "default": the shipped reference drafter) to continue training
+    # from, e.g. on new data. Its layers, block size, taps and draft vocabulary are kept, so
+    # the config must agree with them; `init` is then unused
+    init_from: str | None = None
     draft_vocab_size: int = 0  # > 0: draft only the K most frequent response tokens of the data
     # rms: train fc on taps divided by each feature's RMS over the data (offline only), folded
     # back into fc at export, so the target's massive activations do not swamp the fusion
@@ -106,6 +110,8 @@ class TrainConfig:
         check_decode_block_size(self.decode_block_size, self.block_size)
         if not 0 <= self.warmup_ratio < 1 or self.lr <= 0 or self.cpus_per_worker <= 0:
             raise ValueError("need 0 <= warmup_ratio < 1, lr > 0 and cpus_per_worker > 0")
+        if self.init_from is not None and self.tap_scaling != "none":
+            raise ValueError("init_from continues a drafter trained on raw taps: use tap_scaling=none")
         if self.max_steps < 0 or self.eval_every < 0 or self.max_failures < 0:
             raise ValueError("max_steps, eval_every and max_failures must be >= 0")
 
@@ -132,6 +138,7 @@ class TrainPlan:
     run_dir: str
     draft_vocab: tuple[int, ...] = ()  # the draftable token ids, when draft_vocab_size > 0
     tap_scale: tuple[float, ...] = ()  # per-feature multipliers of the taps (tap_scaling: rms)
+    init_from: str | None = None  # the resolved drafter directory to start from
 
 
 def plan_run(cfg: TrainConfig):
@@ -149,8 +156,10 @@ def plan_run(cfg: TrainConfig):
         layer_ids = cfg.target_layer_ids or tuple(default_target_layer_ids(info.num_layers, cfg.num_taps))
     drafter = DrafterConfig.for_target(info, cfg.num_draft_layers, cfg.block_size, list(layer_ids),
                                        draft_vocab_size=cfg.draft_vocab_size, decode_block_size=cfg.decode_block_size)
-    draft_vocab = ()
-    if cfg.draft_vocab_size:
+    draft_vocab, init_from = (), None
+    if cfg.init_from is not None:
+        init_from, draft_vocab = check_init_from(cfg.init_from, info.target_id, drafter)
+    elif cfg.draft_vocab_size:
         draft_vocab, coverage = draft_vocabulary(data, info.config.vocab_size, cfg.draft_vocab_size)
         print(f"[train] draft vocabulary: {coverage}", file=sys.stderr)
     rows_per_worker = data.num_rows // cfg.num_workers
@@ -165,7 +174,29 @@ def plan_run(cfg: TrainConfig):
             raise ValueError("tap_scaling: rms needs offline data (stored taps); use tap_scaling=none online")
         tap_scale = tap_rms_scale(data.files)
     load_eval_prompts(cfg)  # a bad prompt set fails here, not in a worker
-    return TrainPlan(drafter, steps_per_epoch, total, str(cfg.run_dir), draft_vocab, tap_scale), data
+    return TrainPlan(drafter, steps_per_epoch, total, str(cfg.run_dir), draft_vocab, tap_scale,
+                     None if init_from is None else str(init_from)), data
+
+
+def check_init_from(spec: str, target_id: str, planned: DrafterConfig):
+    """The drafter to continue from must have the shape this run plans; -> (its directory,
+    its draft vocabulary). A mismatch is refused here, before any worker starts."""
+    from dflash.checkpoint import load_drafter, read_drafter_config, resolve_drafter
+
+    path = resolve_drafter(spec, target_id)
+    if path is None:
+        raise ValueError(f"init_from {spec!r} names no drafter")
+    have = read_drafter_config(path)
+    fields = ("hidden_size", "num_hidden_layers", "block_size", "target_layer_ids", "draft_vocab_size",
+              "num_attention_heads", "num_key_value_heads", "intermediate_size")
+    value = lambda c, f: tuple(v) if isinstance(v := getattr(c, f), list) else v  # noqa: E731
+    diff = {f: (value(have, f), value(planned, f)) for f in fields if value(have, f) != value(planned, f)}
+    if diff:
+        raise ValueError(f"init_from {path} does not fit this run {diff} (drafter, config): set the config's "
+                         f"num_draft_layers, block_size and draft_vocab_size to the drafter's, on data with its taps")
+    vocab = load_drafter(path).draft_vocab
+    print(f"[train] continuing from drafter {path}", file=sys.stderr)
+    return path, () if vocab is None else tuple(int(i) for i in vocab)
 
 
 def load_eval_prompts(cfg: TrainConfig) -> list[list[dict]]:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.checkpoint import load_drafter
 from dflash.config import DrafterConfig
 from dflash.drafter import DFlashDrafter
 from dflash.objective import implied_tau
@@ -88,7 +89,10 @@ class TrainWorker:
         self.device = f"cuda:{ctx.get_local_rank()}" if cfg.use_gpu else "cpu"
         self.target = load_target(cfg.target, device=self.device, dtype=cfg.precision)
         torch.manual_seed(cfg.seed)
-        drafter = new_drafter(plan.drafter, self.target, cfg.init, plan.draft_vocab)
+        if plan.init_from:  # continue a trained drafter (its checks ran in plan_run)
+            drafter = load_drafter(plan.init_from, self.target).train()
+        else:
+            drafter = new_drafter(plan.drafter, self.target, cfg.init, plan.draft_vocab)
         model = DrafterObjective(drafter.to(self.device), self.target, cfg.num_anchors, cfg.gamma, plan.tap_scale)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)

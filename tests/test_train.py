@@ -267,6 +267,37 @@ def test_offline_and_online_give_the_same_first_step_loss(ray_session, tmp_path,
     assert first["online"]["accuracy"] == first["offline"]["accuracy"]
 
 
+def test_init_from_continues_a_drafter_keeping_its_weights_and_vocabulary(ray_session, tmp_path, target_fp32,
+                                                                          sequences, data_dir):
+    from dflash.checkpoint import load_drafter
+    from pipelines.train_config import plan_run
+
+    half = write_dataset(tmp_path / "half", target_fp32, sequences, _metadata(target_fp32), slice(0, 4), 1)
+    common = dict(output_dir=str(tmp_path / "runs"), target_layer_ids=LAYERS, draft_vocab_size=256,
+                  export_dtype="fp32")
+    first = run_train(TrainConfig(data=str(half), run_name="first", max_steps=4, **common, **TINY))
+    source = load_drafter(first["drafter_dir"])
+    # continue on the full data at a vanishing learning rate: the weights stay the source's,
+    # the draft vocabulary is the source's, not the one the full data would give
+    cont = TrainConfig(data=str(data_dir), run_name="cont", max_steps=1, init_from=first["drafter_dir"],
+                       **common, **(TINY | {"lr": 1e-9}))
+    fresh_vocab = plan_run(dataclasses.replace(cont, init_from=None))[0].draft_vocab
+    assert tuple(source.draft_vocab.tolist()) != fresh_vocab
+    assert plan_run(cont)[0].draft_vocab == tuple(source.draft_vocab.tolist())
+    summary = run_train(cont)
+    continued = load_drafter(summary["drafter_dir"])
+    for (name, a), b in zip(source.state_dict().items(), continued.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    # it starts where the source left off, not where a random drafter starts
+    assert steps_of(summary["run_dir"])[0]["loss"] < 0.8 * steps_of(first["run_dir"])[0]["loss"]
+    # a drafter of another shape, or a name that is no drafter, is refused before anything runs
+    _refused(tmp_path / "a", data_dir, "num_hidden_layers", num_draft_layers=2, init_from=first["drafter_dir"],
+             draft_vocab_size=256)
+    _refused(tmp_path / "x", data_dir, "not a drafter directory", init_from=str(tmp_path / "nothing"))
+    with pytest.raises(ValueError, match="tap_scaling=none"):
+        TrainConfig(init_from="default", tap_scaling="rms")
+
+
 @pytest.mark.slow
 def test_zero3_bf16_worker_failure_restarts_from_checkpoint(ray_session, tmp_path, data_dir, target_fp32, sequences):
     from dflash.checkpoint import load_drafter
