@@ -39,6 +39,9 @@ from dflash.masks import extend_attention_mask
 from dflash.sampling import SamplingParams
 
 SOURCES = ("drafter", "lookup", "corpus")
+# a speculative cycle must promise this much more than an AR step (choose_width's margin):
+# served on a CPU whose verify curve is steep, a margin of 0 chose cycles that lost
+SPECULATION_MARGIN = 0.1
 
 
 # --- the cost model ---------------------------------------------------------------------
@@ -158,12 +161,14 @@ class Plan:
 
 
 def choose_width(gain: torch.Tensor, available: torch.Tensor, lengths: torch.Tensor, verify_s: list[float],
-                 drafter_s: float | None, overhead_s: float) -> Plan:
+                 drafter_s: float | None, overhead_s: float, margin: float = 0.0) -> Plan:
     """gain (b, S, max_width) expected tokens per row, source (SOURCES order) and width
     (expected_tokens); available (b, S) which copy sources have a guess (source 0, the
     drafter, has one for every row when it runs; drafter_s None: no drafter); lengths (b, S)
     each guess's drafts; verify_s[W-1] the seconds of a width-W verify at this batch size.
-    -> the Plan of highest sum(E) / (verify + drafter if run + overhead).
+    -> the Plan of highest sum(E) / (verify + drafter if run + overhead), where a plan that
+    speculates (W > 1 or the drafter run) must beat plain AR (W = 1) by the factor 1 + margin:
+    its rate is an estimate, and the best of several noisy estimates is biased upward.
 
     Example (one row, the drafter only, max_width 3): gain [[1, 1.8, 2.2]], verify
     [10, 11, 13] ms, drafter 2 ms, overhead 0 -> 0.1, 0.138, 0.147 tokens/ms: W = 3 with
@@ -179,9 +184,10 @@ def choose_width(gain: torch.Tensor, available: torch.Tensor, lengths: torch.Ten
         for w in range(2 if run else 1, max_width + 1):
             seconds = verify_s[w - 1] + (drafter_s if run else 0.0) + overhead_s
             rate = float(row_best[:, w - 1].sum()) / max(seconds, 1e-12)
-            if best is None or rate > best[0] * (1 + 1e-9):
-                best = (rate, w, run, src[:, w - 1], usable)
-    rate, w, run, src, usable = best
+            score = rate if w == 1 and not run else rate / (1 + margin)
+            if best is None or score > best[0] * (1 + 1e-9):
+                best = (score, rate, w, run, src[:, w - 1], usable)
+    _, rate, w, run, src, usable = best
     sources = [int(s) if w > 1 and bool(usable[i, int(s)]) else -1 for i, s in enumerate(src.tolist())]
     own = [0 if s < 0 else min(w - 1, int(lengths[i, s])) for i, s in enumerate(sources)]
     return Plan(w, run, sources, own, rate)
@@ -244,8 +250,10 @@ class WidthPolicy:
     source and position, and each row's RowWidth (kept on its Request)."""
 
     def __init__(self, max_width: int, costs: CostModel | None = None, prior: float = 0.5, strength: float = 4.0,
-                 row_decay: float = 0.9, global_decay: float = 0.995, probe_gap: int = 4, max_probe_gap: int = 64):
+                 row_decay: float = 0.9, global_decay: float = 0.995, probe_gap: int = 4, max_probe_gap: int = 64,
+                 margin: float = SPECULATION_MARGIN):
         self.max_width = max_width
+        self.margin = margin
         self.positions = max(1, max_width - 1)
         self.costs = costs or CostModel()
         self.strength = strength
@@ -278,7 +286,7 @@ class WidthPolicy:
         verify = [self._cost("verify", b, w) for w in range(1, self.max_width + 1)]
         drafter_s = self._cost("drafter", b, 1) if drafter_block else None
         overhead = self.costs.estimate("overhead", b, 1) or 0.0
-        plan = choose_width(gain, available, lengths, verify, drafter_s, overhead)
+        plan = choose_width(gain, available, lengths, verify, drafter_s, overhead, self.margin)
         if drafter_block and not plan.drafter:
             if max(r.since_drafter for r in rows) >= self.probe_gap:  # probe: draft for passive scoring
                 plan = Plan(plan.width, True, plan.sources, plan.lengths, plan.rate)

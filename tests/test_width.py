@@ -61,6 +61,11 @@ def test_choose_width_of_the_docstring_example():
     assert plan.rate == pytest.approx(2.2 / 15)
     plan = choose_width(one_row([1, 1.1, 1.15]), none, lengths, [10, 11, 13], 2, 0)
     assert (plan.width, plan.drafter, plan.sources, plan.lengths) == (1, False, [-1], [0])
+    # a speculative plan must beat AR by the margin: 0.147 < 1.5 * 0.1, but > 1.4 * 0.1
+    plan = choose_width(one_row([1, 1.8, 2.2]), none, lengths, [10, 11, 13], 2, 0, margin=0.5)
+    assert (plan.width, plan.drafter, plan.rate) == (1, False, pytest.approx(0.1))
+    plan = choose_width(one_row([1, 1.8, 2.2]), none, lengths, [10, 11, 13], 2, 0, margin=0.4)
+    assert (plan.width, plan.drafter, plan.rate) == (3, True, pytest.approx(2.2 / 15))
 
 
 def test_choose_width_takes_a_copy_without_the_drafter_pass():
