@@ -25,7 +25,8 @@ The pieces:
                   a copy found while the batch runs at W = 1 is still scored, so a row
                   stuck at W = 1 recovers; the drafter's block is scored past the verified
                   width the same way. The drafter itself is re-probed with exponential
-                  back-off when no row has run it lately (WidthPolicy).
+                  back-off when no row has run it lately (WidthPolicy), and so is the
+                  cost of going wide when the policy has stayed at W = 1 for a while.
 """
 
 from __future__ import annotations
@@ -81,12 +82,23 @@ class CostModel:
 
     follow: float = 0.5  # how far a width's change moves the other widths seen at its (kind, b)
 
-    def observe(self, kind: str, b: int, w: int, seconds: float) -> None:
+    def observe(self, kind: str, b: int, w: int, seconds: float, guess: bool = False) -> None:
         """Update the EMA of (kind, b, w). The machine's load moves every width at once, and
         a policy measures mostly the width it picks: the other widths seen at this (kind, b)
         follow the change by the factor (new / old) ** follow, so a rarely chosen width is
-        not judged by a stale value from a busier (or quieter) moment."""
+        not judged by a stale value from a busier (or quieter) moment. guess: a start-up
+        calibration's timing, which the first pass of a real cycle replaces outright, scaling
+        the calibration's other guesses at this (kind, b) by the same factor."""
+        if guess:
+            if self.seen.get((kind, b, w), [0, 0])[1] == 0:
+                self.seen[(kind, b, w)] = [seconds, 0]
+            return
         entry = self.seen.setdefault((kind, b, w), [seconds, 0])
+        if entry[1] == 0 and entry[0] > 0:  # a real pass replaces a guess: the other guesses of
+            factor = seconds / entry[0]  # that calibration were timed under the same load
+            for (k, bb, ww), other in self.seen.items():
+                if k == kind and bb == b and ww != w and other[1] == 0:
+                    other[0] *= factor
         entry[1] += 1
         a = max(self.alpha, 1.0 / entry[1])
         old = entry[0]
@@ -251,9 +263,15 @@ class WidthPolicy:
 
     def __init__(self, max_width: int, costs: CostModel | None = None, prior: float = 0.5, strength: float = 4.0,
                  row_decay: float = 0.9, global_decay: float = 0.995, probe_gap: int = 4, max_probe_gap: int = 64,
-                 margin: float = SPECULATION_MARGIN):
+                 margin: float = SPECULATION_MARGIN, cost_probe_gap: int = 16, max_cost_probe_gap: int = 256):
         self.max_width = max_width
         self.margin = margin
+        # cycles at W = 1 before the best wider plan runs once anyway, so its cost is measured
+        # again: a verify timed in a busy moment (a calibration during another job) would
+        # otherwise keep every later cycle at W = 1. Doubles while such probes do not pay
+        self.cost_probe_gap, self.min_cost_probe_gap, self.max_cost_probe_gap = (cost_probe_gap, cost_probe_gap,
+                                                                                 max_cost_probe_gap)
+        self.since_wide = 0
         self.positions = max(1, max_width - 1)
         self.costs = costs or CostModel()
         self.strength = strength
@@ -287,6 +305,17 @@ class WidthPolicy:
         drafter_s = self._cost("drafter", b, 1) if drafter_block else None
         overhead = self.costs.estimate("overhead", b, 1) or 0.0
         plan = choose_width(gain, available, lengths, verify, drafter_s, overhead, self.margin)
+        if plan.width > 1:
+            self.since_wide, self.cost_probe_gap = 0, self.min_cost_probe_gap
+        else:
+            self.since_wide += 1
+            if self.since_wide >= self.cost_probe_gap:  # probe the cost: the best plan wider than 1
+                wide = choose_width(gain, available, lengths, [float("inf")] + verify[1:], drafter_s, overhead)
+                if wide.width > 1 and any(src >= 0 for src in wide.sources):
+                    plan, self.since_wide = wide, 0
+                    self.cost_probe_gap = min(2 * self.cost_probe_gap, self.max_cost_probe_gap)
+                    self.widths[plan.width] = self.widths.get(plan.width, 0) + 1
+                    return plan
         if drafter_block and not plan.drafter:
             if max(r.since_drafter for r in rows) >= self.probe_gap:  # probe: draft for passive scoring
                 plan = Plan(plan.width, True, plan.sources, plan.lengths, plan.rate)
@@ -360,11 +389,11 @@ def calibrate(dec, budget_s: float, context: int = 128) -> dict[int, float]:
         if len(seen) >= 2 and time.perf_counter() - t0 > budget_s:
             break
         seen[w] = min(verify(w), verify(w))
-        costs.observe("verify", 1, w, seen[w])
+        costs.observe("verify", 1, w, seen[w], guess=True)
     if dec.drafter is not None:
         dec.draft_scores(batch)
         t = time.perf_counter()
         dec.draft_scores(batch)
         dec._sync()
-        costs.observe("drafter", 1, 1, time.perf_counter() - t)
+        costs.observe("drafter", 1, 1, time.perf_counter() - t, guess=True)
     return seen

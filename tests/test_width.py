@@ -97,12 +97,13 @@ def test_acceptance_and_pending_scores():
     assert rates[0].tolist() == pytest.approx([1 / 2.5, 0.5 / 1.5, 0.5])
 
 
-def _costly_policy(max_width=4, verify_ratio=(1.0, 1.1, 1.2, 1.3)):
+def _costly_policy(max_width=4, verify_ratio=(1.0, 1.1, 1.2, 1.3), **kw):
+    """kw: WidthPolicy's; by default no cost probes (their own test turns them on)."""
     costs = CostModel()
     for w, r in enumerate(verify_ratio, 1):
         costs.observe("verify", 1, w, 0.030 * r)
     costs.observe("drafter", 1, 1, 0.006)
-    return WidthPolicy(max_width, costs)
+    return WidthPolicy(max_width, costs, **({"cost_probe_gap": 10 ** 9} | kw))
 
 
 def test_policy_stops_drafting_a_row_that_misses_then_probes_with_back_off():
@@ -145,6 +146,36 @@ def test_policy_goes_wide_on_good_copies_and_recovers_from_width_one():
     assert widths[15:20] == [1] * 5 and widths[-1] == 4, widths
 
 
+def test_a_verify_cost_measured_in_a_busy_moment_is_measured_again():
+    """Calibrated while another job ran, W >= 2 looks 20x dearer than it is: the policy stays
+    at W = 1, then runs the best wider plan once (cost_probe_gap cycles later), learns the real
+    cost from that pass, and goes wide on merit. Where going wide truly costs that much, the
+    probes back off exponentially."""
+    def run(true_ratio, steps):
+        policy = _costly_policy(verify_ratio=(1.0, 20.0, 20.0, 20.0), cost_probe_gap=4, max_cost_probe_gap=32)
+        for w in range(1, 5):  # the busy calibration: a guess, as `calibrate` records it
+            key = ("verify", 1, w)
+            policy.costs.seen.pop(key)
+            policy.costs.observe(*key, 0.030 * (1.0 if w == 1 else 20.0), guess=True)
+        row, out, widths = policy.new_row(), [0], []
+        for step in range(steps):
+            nxt = [step + 1, step + 2, step + 3]  # copies that always match
+            plan = policy.plan([row], [{1: nxt}], drafter_block=None)
+            widths.append(plan.width)
+            policy.costs.observe("verify", 1, plan.width, 0.030 * (1.0 if plan.width == 1 else true_ratio))
+            policy.propose(row, 1, nxt, len(out))
+            out.append(step + 1)
+            policy.score(row, out)
+        return widths
+
+    cheap = run(1.1, 20)
+    assert cheap[:3] == [1, 1, 1] and cheap[3] > 1 and cheap[-5:] == [4] * 5, cheap
+    dear = run(20.0, 80)
+    probes = [i for i, w in enumerate(dear) if w > 1]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 3 and len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], dear
+
+
 def test_cost_model_follows_the_load_and_never_makes_a_wider_pass_cheaper():
     c = CostModel(alpha=0.5, follow=0.5)
     for w, s in ((1, 0.010), (4, 0.012), (8, 0.014)):
@@ -157,3 +188,14 @@ def test_cost_model_follows_the_load_and_never_makes_a_wider_pass_cheaper():
     c2.observe("verify", 1, 1, 0.020)
     c2.observe("verify", 1, 7, 0.015)  # measured cheaper than one token: noise
     assert c2.estimate("verify", 1, 7) == 0.020
+    # calibration timings are guesses: the first real pass replaces one and rescales the
+    # others of its (kind, b) by the same factor; later passes average as usual
+    c3 = CostModel(alpha=0.5)
+    for w, sec in ((2, 0.20), (4, 0.40)):
+        c3.observe("verify", 1, w, sec, guess=True)
+    c3.observe("verify", 1, 4, 0.04)
+    assert c3.estimate("verify", 1, 4) == pytest.approx(0.04) and c3.estimate("verify", 1, 2) == pytest.approx(0.02)
+    c3.observe("verify", 1, 4, 0.08)
+    assert c3.estimate("verify", 1, 4) == pytest.approx(0.06)
+    c3.observe("verify", 1, 4, 1.0, guess=True)  # a guess never overrides a measurement
+    assert c3.estimate("verify", 1, 4) == pytest.approx(0.06)
