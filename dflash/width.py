@@ -81,6 +81,8 @@ class CostModel:
     seen: dict = field(default_factory=dict)  # (kind, b, w) -> [seconds, observations]
 
     follow: float = 0.5  # how far a width's change moves the other widths seen at its (kind, b)
+    passes: int = 0  # real observations so far (guesses not counted)
+    last: dict = field(default_factory=dict)  # (kind, b, w) -> `passes` at its latest real observation
 
     def observe(self, kind: str, b: int, w: int, seconds: float, guess: bool = False) -> None:
         """Update the EMA of (kind, b, w). The machine's load moves every width at once, and
@@ -93,6 +95,8 @@ class CostModel:
             if self.seen.get((kind, b, w), [0, 0])[1] == 0:
                 self.seen[(kind, b, w)] = [seconds, 0]
             return
+        self.passes += 1
+        self.last[(kind, b, w)] = self.passes
         entry = self.seen.setdefault((kind, b, w), [seconds, 0])
         if entry[1] == 0 and entry[0] > 0:  # a real pass replaces a guess: the other guesses of
             factor = seconds / entry[0]  # that calibration were timed under the same load
@@ -121,7 +125,9 @@ class CostModel:
         """
         hit = self.seen.get((kind, b, w))
         if hit is not None:  # never below a narrower width seen at this b: noise, not a cheaper pass
-            return max([hit[0]] + [s for (k, bb, ww), (s, _) in self.seen.items() if k == kind and bb == b and ww < w])
+            # (a measured pass is held to measured narrower ones only, not to calibration guesses)
+            return max([hit[0]] + [s for (k, bb, ww), (s, n) in self.seen.items()
+                                   if k == kind and bb == b and ww < w and (n > 0 or hit[1] == 0)])
         by_tokens: dict[int, list[float]] = {}
         for (k, bb, ww), (s, _) in self.seen.items():
             if k == kind:
@@ -137,6 +143,11 @@ class CostModel:
             if base > 0:
                 guess *= s / base
         return guess
+
+    def staleness(self, kind: str, b: int, w: int) -> float:
+        """Real observations of any pass since (kind, b, w)'s last one; inf if it has none."""
+        seen = self.last.get((kind, b, w))
+        return float("inf") if seen is None else self.passes - seen
 
     def curve(self, b: int, widths: range) -> dict[int, float]:
         """verify(b, W) / verify(b, 1) for each W: a verify's cost in one-token steps."""
@@ -266,12 +277,13 @@ class WidthPolicy:
                  margin: float = SPECULATION_MARGIN, cost_probe_gap: int = 16, max_cost_probe_gap: int = 256):
         self.max_width = max_width
         self.margin = margin
-        # cycles at W = 1 before the best wider plan runs once anyway, so its cost is measured
-        # again: a verify timed in a busy moment (a calibration during another job) would
-        # otherwise keep every later cycle at W = 1. Doubles while such probes do not pay
-        self.cost_probe_gap, self.min_cost_probe_gap, self.max_cost_probe_gap = (cost_probe_gap, cost_probe_gap,
-                                                                                 max_cost_probe_gap)
-        self.since_wide = 0
+        # when the policy stays at W = 1 and the best wider plan's verify cost was last measured
+        # more than cost_probe_gap passes ago (or never), that plan runs once anyway (at most
+        # once per cost_probe_gap cycles), so
+        # its cost is measured again: a verify timed in a busy moment (a calibration during
+        # another job) would otherwise keep every later cycle at W = 1. The gap doubles per probe
+        self.cost_probe_gap, self.max_cost_probe_gap = cost_probe_gap, max_cost_probe_gap
+        self.since_cost_probe = 0  # cycles since the last such probe (at most one per gap)
         self.positions = max(1, max_width - 1)
         self.costs = costs or CostModel()
         self.strength = strength
@@ -305,17 +317,15 @@ class WidthPolicy:
         drafter_s = self._cost("drafter", b, 1) if drafter_block else None
         overhead = self.costs.estimate("overhead", b, 1) or 0.0
         plan = choose_width(gain, available, lengths, verify, drafter_s, overhead, self.margin)
-        if plan.width > 1:
-            self.since_wide, self.cost_probe_gap = 0, self.min_cost_probe_gap
-        else:
-            self.since_wide += 1
-            if self.since_wide >= self.cost_probe_gap:  # probe the cost: the best plan wider than 1
-                wide = choose_width(gain, available, lengths, [float("inf")] + verify[1:], drafter_s, overhead)
-                if wide.width > 1 and any(src >= 0 for src in wide.sources):
-                    plan, self.since_wide = wide, 0
-                    self.cost_probe_gap = min(2 * self.cost_probe_gap, self.max_cost_probe_gap)
-                    self.widths[plan.width] = self.widths.get(plan.width, 0) + 1
-                    return plan
+        self.since_cost_probe += 1
+        if plan.width == 1 and self.since_cost_probe >= self.cost_probe_gap:
+            wide = choose_width(gain, available, lengths, [float("inf")] + verify[1:], drafter_s, overhead)
+            if (wide.width > 1 and any(src >= 0 for src in wide.sources)
+                    and self.costs.staleness("verify", b, wide.width) >= self.cost_probe_gap):
+                self.cost_probe_gap = min(2 * self.cost_probe_gap, self.max_cost_probe_gap)
+                self.since_cost_probe = 0
+                self.widths[wide.width] = self.widths.get(wide.width, 0) + 1
+                return wide
         if drafter_block and not plan.drafter:
             if max(r.since_drafter for r in rows) >= self.probe_gap:  # probe: draft for passive scoring
                 plan = Plan(plan.width, True, plan.sources, plan.lengths, plan.rate)
