@@ -279,9 +279,9 @@ class WidthPolicy:
         self.margin = margin
         # when the policy stays at W = 1 and the best wider plan's verify cost was last measured
         # more than cost_probe_gap passes ago (or never), that plan runs once anyway (at most
-        # once per cost_probe_gap cycles), so
-        # its cost is measured again: a verify timed in a busy moment (a calibration during
-        # another job) would otherwise keep every later cycle at W = 1. The gap doubles per probe
+        # once per cost_probe_gap cycles), so its cost is measured again: a verify timed in a
+        # busy moment (a calibration during another job) would otherwise keep every later
+        # cycle at W = 1. The gap doubles per probe
         self.cost_probe_gap, self.max_cost_probe_gap = cost_probe_gap, max_cost_probe_gap
         self.since_cost_probe = 0  # cycles since the last such probe (at most one per gap)
         self.positions = max(1, max_width - 1)
@@ -318,15 +318,17 @@ class WidthPolicy:
         overhead = self.costs.estimate("overhead", b, 1) or 0.0
         plan = choose_width(gain, available, lengths, verify, drafter_s, overhead, self.margin)
         self.since_cost_probe += 1
+        probe = None
         if plan.width == 1 and self.since_cost_probe >= self.cost_probe_gap:
             wide = choose_width(gain, available, lengths, [float("inf")] + verify[1:], drafter_s, overhead)
             if (wide.width > 1 and any(src >= 0 for src in wide.sources)
                     and self.costs.staleness("verify", b, wide.width) >= self.cost_probe_gap):
+                probe = wide
                 self.cost_probe_gap = min(2 * self.cost_probe_gap, self.max_cost_probe_gap)
                 self.since_cost_probe = 0
-                self.widths[wide.width] = self.widths.get(wide.width, 0) + 1
-                return wide
-        if drafter_block and not plan.drafter:
+        if probe is not None:  # probe the cost of going wide
+            plan = probe
+        elif drafter_block and not plan.drafter:
             if max(r.since_drafter for r in rows) >= self.probe_gap:  # probe: draft for passive scoring
                 plan = Plan(plan.width, True, plan.sources, plan.lengths, plan.rate)
                 self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
