@@ -29,7 +29,7 @@ from pathlib import Path
 from pipelines.export import export_run
 from pipelines.ray_session import init_ray
 from pipelines.train_config import METRICS_NAME, TrainConfig, TrainPlan, claim_run_dir, plan_run
-from pipelines.train_data import read_dataset
+from pipelines.train_data import epoch_datasets
 from pipelines.train_worker import train_loop_per_worker
 
 
@@ -47,9 +47,9 @@ def check_cpu_budget(cfg: TrainConfig, cluster_cpus: float) -> None:
 
 
 def ordered_ingest():
-    """Rows reach the workers in file order, so the same data and seed give the same
-    micro-batches (and losses) run after run and in both modes; shuffling is local and
-    seeded (pipelines.train_data)."""
+    """Rows reach the workers in the order of their epoch's files, so the same data and
+    seed give the same micro-batches (and losses) run after run and in both modes;
+    shuffling is per-epoch file orders plus local, seeded buckets (pipelines.train_data)."""
     from ray.train import DataConfig
 
     options = DataConfig.default_ingest_options()
@@ -77,7 +77,7 @@ def run_train(cfg: TrainConfig) -> dict:
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker=resources, placement_strategy=cfg.placement_strategy),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
-        datasets={"train": read_dataset(data, cfg.offline)},
+        datasets=epoch_datasets(data, cfg.offline, cfg.seed, plan.file_orders),
         dataset_config=ordered_ingest(),
         run_config=RunConfig(name=cfg.run_name, storage_path=str(cfg.run_dir.parent),
                              failure_config=FailureConfig(max_failures=cfg.max_failures),

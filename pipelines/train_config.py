@@ -20,7 +20,7 @@ from typing import ClassVar, Literal
 
 from dflash.config import DrafterConfig, check_decode_block_size, default_target_layer_ids
 from dflash.training import INITS, tap_rms_scale
-from pipelines.train_data import draft_vocabulary, inspect_training_data
+from pipelines.train_data import FILE_ORDERS, draft_vocabulary, inspect_training_data
 
 STATE_NAME = "train_state.json"
 METRICS_NAME = "metrics.jsonl"
@@ -139,6 +139,7 @@ class TrainPlan:
     draft_vocab: tuple[int, ...] = ()  # the draftable token ids, when draft_vocab_size > 0
     tap_scale: tuple[float, ...] = ()  # per-feature multipliers of the taps (tap_scaling: rms)
     init_from: str | None = None  # the resolved drafter directory to start from
+    file_orders: int = 1  # per-epoch shard file orders the run cycles through (train_data.FILE_ORDERS)
 
 
 def plan_run(cfg: TrainConfig):
@@ -174,8 +175,9 @@ def plan_run(cfg: TrainConfig):
             raise ValueError("tap_scaling: rms needs offline data (stored taps); use tap_scaling=none online")
         tap_scale = tap_rms_scale(data.files)
     load_eval_prompts(cfg)  # a bad prompt set fails here, not in a worker
+    epochs = -(-total // steps_per_epoch)
     return TrainPlan(drafter, steps_per_epoch, total, str(cfg.run_dir), draft_vocab, tap_scale,
-                     None if init_from is None else str(init_from)), data
+                     None if init_from is None else str(init_from), min(FILE_ORDERS, epochs)), data
 
 
 def check_init_from(spec: str, target_id: str, planned: DrafterConfig):

@@ -14,6 +14,13 @@ shows how small) without any global sort.
 Worked example, micro_batch_size 2, bucket_batches 2, lengths arriving [90, 12, 85, 15]:
 sorted [12, 15, 85, 90] -> micro-batches [12, 15] and [85, 90] (pad 3 + 5 of 202 slots)
 instead of [90, 12] and [85, 15] (pad 78 + 70 of 350).
+
+Shuffling across shards: epoch e reads the shard files in order e % FILE_ORDERS, a seeded
+permutation (order 0 is file order), through its own lazily read Ray Dataset, so which
+rows share a buffer, and which rows a worker gets, changes from epoch to epoch without
+materialising the data (a global shuffle or randomize_block_order would hold all of it
+in the object store). The order of an epoch depends only on (seed, epoch): a resumed run
+reads the same order and skips exactly the micro-batches it trained on.
 """
 
 from __future__ import annotations
@@ -76,14 +83,36 @@ def draft_vocabulary(info: DataInfo, vocab_size: int, k: int) -> tuple[tuple[int
                    f"{int(counts.sum())} response tokens")
 
 
-def read_dataset(info: DataInfo, offline: bool):
-    """A Ray Dataset over the shards; online mode never reads the (large) hidden column;
-    teacher-forced data brings its labels (target_ids)."""
+FILE_ORDERS = 4  # distinct per-epoch file orders; epoch e reads order e % FILE_ORDERS
+
+
+def file_order(files, seed: int, order: int) -> list[str]:
+    """Permutation `order` of the shard files: 0 is file order, the others seeded shuffles."""
+    files = list(files)
+    if order:
+        random.Random(seed * 1_000_003 + order).shuffle(files)
+    return files
+
+
+def epoch_dataset_name(epoch: int, orders: int) -> str:
+    """The Ray Train dataset an epoch reads (one per file order)."""
+    return f"train{epoch % orders}"
+
+
+def read_dataset(info: DataInfo, offline: bool, files=None):
+    """A Ray Dataset over the shards (in the order given, default file order); online mode
+    never reads the (large) hidden column; teacher-forced data brings its labels (target_ids)."""
     import ray
 
     columns = TOKEN_COLUMNS + (["hidden"] if offline else [])
     columns += ["target_ids"] if info.metadata.responses == "source" else []
-    return ray.data.read_parquet(list(info.files)).select_columns(columns)
+    return ray.data.read_parquet(list(files or info.files)).select_columns(columns)
+
+
+def epoch_datasets(info: DataInfo, offline: bool, seed: int, orders: int) -> dict:
+    """{name: Ray Dataset} for each of the run's `orders` file orders (epoch_dataset_name)."""
+    return {epoch_dataset_name(k, orders): read_dataset(info, offline, file_order(info.files, seed, k))
+            for k in range(orders)}
 
 
 def micro_batches(shard, *, micro_batch_size: int, bucket_batches: int, max_seq_len: int, offline: bool, seed: int):

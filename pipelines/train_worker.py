@@ -35,7 +35,7 @@ from dflash.training import (DrafterObjective, fold_tap_scale, new_drafter, roun
 from pipelines.safe_load import weights_only_loads
 from pipelines.train_config import (DS_DIR, DS_TAG, METRICS_NAME, STATE_NAME, TrainConfig, TrainPlan,
                                     load_eval_prompts)
-from pipelines.train_data import micro_batches
+from pipelines.train_data import epoch_dataset_name, micro_batches
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -105,7 +105,6 @@ class TrainWorker:
         self.log = MetricLogger(Path(plan.run_dir) / METRICS_NAME, enabled=self.rank == 0)
         if self.saved_step is not None:
             self.log.write({"event": "resumed", "step": self.progress.step})
-        self.shard = ray.train.get_dataset_shard("train")
         self.engine.train()
 
     def restore(self, checkpoint) -> None:
@@ -120,10 +119,14 @@ class TrainWorker:
     # --- training ----------------------------------------------------------------------------
 
     def train_epoch(self) -> None:
-        """One pass over the shard, from micro-batch `progress.micro` of `progress.epoch`."""
+        """One pass over this epoch's shard (its file order), from micro-batch `progress.micro`
+        of `progress.epoch`."""
+        import ray.train
+
         cfg, p = self.cfg, self.progress
         skip, stats = p.micro, StepStats(self.plan.drafter.block_size)
-        batches = micro_batches(self.shard, micro_batch_size=cfg.micro_batch_size, bucket_batches=cfg.bucket_batches,
+        shard = ray.train.get_dataset_shard(epoch_dataset_name(p.epoch, self.plan.file_orders))
+        batches = micro_batches(shard, micro_batch_size=cfg.micro_batch_size, bucket_batches=cfg.bucket_batches,
                                 max_seq_len=cfg.max_seq_len, offline=cfg.offline, seed=cfg.seed * 1000 + p.epoch)
         for i, mb in enumerate(batches):
             if i >= self.micro_per_epoch or p.step >= self.plan.total_steps:

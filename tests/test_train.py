@@ -267,6 +267,36 @@ def test_offline_and_online_give_the_same_first_step_loss(ray_session, tmp_path,
     assert first["online"]["accuracy"] == first["offline"]["accuracy"]
 
 
+def test_each_epoch_reads_the_shards_in_its_own_seeded_order(ray_session, tmp_path, target_fp32, sequences):
+    import ray
+
+    from pipelines.train_config import plan_run
+    from pipelines.train_data import FILE_ORDERS, epoch_dataset_name, epoch_datasets, file_order
+
+    data = write_dataset(tmp_path / "four", target_fp32, sequences,
+                         _metadata(target_fp32, features="none", target_layer_ids=()), shards=4)
+    cfg = TrainConfig(data=str(data), output_dir=str(tmp_path / "runs"), mode="online", target_layer_ids=LAYERS,
+                      num_workers=1, max_steps=9, seed=5, **TINY)  # 4 steps an epoch: 3 epochs
+    plan, info = plan_run(cfg)
+    assert plan.steps_per_epoch == 4 and plan.file_orders == 3 <= FILE_ORDERS
+    orders = [file_order(info.files, cfg.seed, k) for k in range(plan.file_orders)]
+    assert orders[0] == list(info.files)  # epoch 0 reads file order
+    assert all(sorted(o) == sorted(info.files) for o in orders) and len({tuple(o) for o in orders}) > 1
+    assert orders == [file_order(info.files, cfg.seed, k) for k in range(3)]  # (seed, order) decides it
+    assert file_order(info.files, cfg.seed + 1, 1) != orders[1] or file_order(info.files, cfg.seed + 1, 2) != orders[2]
+    # each dataset streams its order's rows, read by real Ray Data: files concatenated in that order
+    rows_of = {f: pq.read_table(f, columns=["input_ids"]).column("input_ids").to_pylist() for f in info.files}
+    options = ray.data.DataContext.get_current().execution_options
+    before, options.preserve_order = options.preserve_order, True  # as the training ingest sets it
+    try:
+        datasets = epoch_datasets(info, offline=False, seed=cfg.seed, orders=plan.file_orders)
+        for epoch in range(5):
+            want = [r for f in orders[epoch % 3] for r in rows_of[f]]
+            got = [list(r["input_ids"]) for r in datasets[epoch_dataset_name(epoch, 3)].take_all()]
+            assert got == want
+    finally:
+        options.preserve_order = before
+
 def test_init_from_continues_a_drafter_keeping_its_weights_and_vocabulary(ray_session, tmp_path, target_fp32,
                                                                           sequences, data_dir):
     from dflash.checkpoint import load_drafter
