@@ -37,8 +37,9 @@ from pathlib import Path
 import torch
 
 
-def load_rows(files, max_seq_len, max_rows=None):
-    """(ids, masks, hidden, labels) per-row lists over shard files (labels None for regenerated data)."""
+def load_rows(files, max_seq_len, max_rows=None, keep_taps=None):
+    """(ids, masks, hidden, labels) per-row lists over shard files (labels None for regenerated data);
+    keep_taps (n_stored, [positions]) keeps only those of the n_stored taps each row carries."""
     import pyarrow.parquet as pq
 
     from dflash.training import label_rows, table_rows
@@ -47,6 +48,9 @@ def load_rows(files, max_seq_len, max_rows=None):
     for f in files:
         table = pq.read_table(f)
         ids, masks, hidden = table_rows(table, max_seq_len, with_hidden=True)
+        if keep_taps is not None:
+            n, keep = keep_taps
+            hidden = [h.reshape(len(h), n, -1)[:, keep].reshape(len(h), -1) for h in hidden]
         hidden = [h.copy() for h in hidden]  # own the cut rows: views would keep whole shards in memory
         labels = label_rows(table, max_seq_len)
         del table
@@ -113,6 +117,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, help="a `dflash distill` directory with taps (regenerated or source)")
     ap.add_argument("--layers", default="1,2,3,5", help="draft layers per variant")
+    ap.add_argument("--taps", default=None, help="comma-separated target layers the drafters read, a subset of "
+                    "the data's (default: all of them); e.g. 1,8,14,20,28 on data tapped at 1,8,14,20,27,28")
     ap.add_argument("--seconds", type=float, default=600, help="training time per variant")
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--anchors", type=int, default=128, help="blocks per sequence per step")
@@ -145,8 +151,14 @@ def main() -> None:
     meta = read_dataset_metadata(args.data)
     target = load_target("default", dtype="bf16")
     t0 = time.perf_counter()
-    train = load_rows(files[:-1], args.max_seq_len, args.eval_rows if args.eval_only else (args.train_rows or None))
-    held = load_rows(files[-1:], args.max_seq_len, args.eval_rows)
+    taps = [int(x) for x in args.taps.split(",")] if args.taps else list(meta.target_layer_ids)
+    missing = sorted(set(taps) - set(meta.target_layer_ids))
+    if missing:
+        raise SystemExit(f"{args.data}: taps {missing} not in the data's {list(meta.target_layer_ids)}")
+    keep = (len(meta.target_layer_ids), [meta.target_layer_ids.index(l) for l in taps])
+    train = load_rows(files[:-1], args.max_seq_len, args.eval_rows if args.eval_only else (args.train_rows or None),
+                      keep)
+    held = load_rows(files[-1:], args.max_seq_len, args.eval_rows, keep)
     counts = token_counts(train[0], train[1], target.vocab_size)
     vocab = most_frequent_tokens(counts, args.vocab)
     n_resp = int(sum(int(m.sum()) for m in train[1]))
@@ -168,14 +180,14 @@ def main() -> None:
     step_ms = target_step_ms(target)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"data": args.data, "responses": meta.responses, "train_rows": len(train[0]),
+    results = {"data": args.data, "responses": meta.responses, "taps": taps, "train_rows": len(train[0]),
                "train_response_tokens": n_resp, "seconds": args.seconds, "target_step_ms": round(step_ms, 2),
                "args": vars(args), "variants": {}}
 
     for layers in [int(x) for x in args.layers.split(",")]:
-        name = f"layers{layers}"
+        name = f"layers{layers}" + (f"-taps{'_'.join(map(str, taps))}" if args.taps else "")
         torch.manual_seed(args.seed)
-        cfg = DrafterConfig.for_target(target, layers, args.block_size, list(meta.target_layer_ids),
+        cfg = DrafterConfig.for_target(target, layers, args.block_size, taps,
                                        draft_vocab_size=args.vocab, decode_block_size=args.decode_block)
         drafter = new_drafter(cfg, target, "random", vocab)
         head = OutputHead(target.model.lm_head.weight, drafter.draft_vocab)
