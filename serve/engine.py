@@ -20,8 +20,10 @@ One asyncio task owns the decoder and the running batch. Each iteration:
              then drop_finished removes their rows;
   3. step    one speculative cycle for every row (ragged acceptance per row);
   4. deliver newly emitted tokens to each request's asyncio queue, drop finished rows.
-Model work runs in a worker thread (asyncio.to_thread) so the event loop keeps accepting
-HTTP requests and streaming while a step computes. Only the loop task touches the batch;
+Model work runs in the engine's own model thread (a one-worker executor) so the event loop
+keeps accepting HTTP requests and streaming while a step computes. It is the engine's
+own: a step never queues behind other users of the loop's default executor, and it is
+always the same OS thread, so torch's per-thread CPU state is set up once. Only the loop task touches the batch;
 other coroutines only set flags (`cancel`) that the loop applies between steps.
 
 No Ray and no HTTP here: the engine is tested and benchmarked as plain asyncio.
@@ -33,6 +35,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -149,6 +152,7 @@ class BatchingEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._reported_rows = 0  # batch size of the last StepReport
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-model")
 
     # --- the caller's side ----------------------------------------------------------------
     @property
@@ -201,6 +205,10 @@ class BatchingEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self._model_thread.shutdown(wait=False)
+
+    async def _in_model_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
 
     # --- the loop -------------------------------------------------------------------------
     def _finish(self, gen: Generation, reason: str | None, error: BaseException | None = None) -> None:
@@ -331,7 +339,7 @@ class BatchingEngine:
             self._drop_cancelled_prefills()
             if self._prefilling and self.prefill_due():
                 t_prefill = time.perf_counter()
-                completed, failed, prefilled = await asyncio.to_thread(self._prefill_some, self.prefill_budget())
+                completed, failed, prefilled = await self._in_model_thread(self._prefill_some, self.prefill_budget())
                 self._account(prefill_s=time.perf_counter() - t_prefill if self._running else 0.0)
                 for gen, e in failed:
                     self._finish(gen, "abort", RuntimeError(f"prefill failed: {e}"))
@@ -347,7 +355,7 @@ class BatchingEngine:
             draft0, verify0 = first.draft_time_s, first.verify_time_s
             t_step = time.perf_counter()
             try:
-                emitted = await asyncio.to_thread(self.decoder.step, self._batch)
+                emitted = await self._in_model_thread(self.decoder.step, self._batch)
             except Exception as e:
                 log.exception("decoding step failed")
                 self._fail_running(RuntimeError(f"decoding step failed: {e}"))
