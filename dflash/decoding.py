@@ -55,7 +55,7 @@ from dflash.sampling import (VERIFY_RULES, SamplingParams, greedy_tokens, row_un
                              token_probs, verify_match, verify_rejection)
 from dflash.target import Target
 from dflash.tree import DraftTree, TreeConfig, build_tree
-from dflash.width import SOURCES, CostModel, Plan, WidthPolicy, calibrate
+from dflash.width import SOURCES, SPECULATION_MARGIN, CostModel, Plan, WidthPolicy, calibrate
 
 DRAFTER, LOOKUP, CORPUS = range(3)  # indices into dflash.width.SOURCES
 # one cost model per loaded target: every decoder on it (AR, DFlash, a bench's ablation)
@@ -76,13 +76,15 @@ class SpeculativeDecoder:
     chained continuations (dflash.corpus). A cycle verifies the batch's longest draft (at
     most max_width tokens), and each row accepts only from its own. tree: verify a draft tree of every guess
     instead (dflash.tree; at T > 0 its walk is the match rule, whatever `verify` says). adaptive (default):
-    choose each cycle's width from measured costs and acceptance (dflash.width, module docstring); False:
-    every row verifies its whole guess (the width pinned by block_size).
+    choose each cycle's width from measured costs and acceptance (dflash.width, module docstring), a
+    speculative one only when it promises speculation_margin more than an AR step; False: every row
+    verifies its whole guess (the width pinned by block_size).
     """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None,
                  verify: str = "rejection", block_size: int | None = None, lookup: LookupConfig | None = None,
-                 corpus: CorpusIndex | None = None, tree: TreeConfig | None = None, adaptive: bool = True):
+                 corpus: CorpusIndex | None = None, tree: TreeConfig | None = None, adaptive: bool = True,
+                 speculation_margin: float = SPECULATION_MARGIN):
         if verify not in VERIFY_RULES:
             raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
         self.target = target
@@ -115,7 +117,7 @@ class SpeculativeDecoder:
         self.policy = None
         if adaptive and guesses and tree is None:
             costs = _COSTS.setdefault(target, CostModel())
-            self.policy = WidthPolicy(self.max_width, costs)
+            self.policy = WidthPolicy(self.max_width, costs, margin=speculation_margin)
             if not any(kind == "verify" and b == 1 for kind, b, _ in costs.seen):
                 self.calibrate()
 

@@ -31,6 +31,7 @@ from dflash.lookup import LookupConfig
 from dflash.sampling import VERIFY_RULES
 from dflash.target import Target, load_target, parse_dtype
 from dflash.tree import TreeConfig
+from dflash.width import SPECULATION_MARGIN
 
 DTYPES = ("auto", "bf16", "fp32", "fp16")
 
@@ -58,6 +59,9 @@ class DecodeConfig:
     # when it has one; None/"none" = off; or a file made by `dflash corpus`
     corpus: str | None = "auto"
     tree_nodes: int = 0  # > 0: verify a draft tree of up to this many tokens a cycle (dflash.tree)
+    # adaptive width: a speculative cycle must promise this fraction more tokens/s than an AR
+    # step (dflash.width); 0 where a wide verify is nearly free (a GPU at small batch)
+    speculation_margin: float = SPECULATION_MARGIN
     seed: int = 0  # initialises drafter="random"
 
     def __post_init__(self):
@@ -71,6 +75,8 @@ class DecodeConfig:
             raise ValueError(f"lookup_tokens must be >= 1, got {self.lookup_tokens}")
         if self.tree_nodes < 0 or self.tree_nodes == 1:
             raise ValueError(f"tree_nodes must be 0 (off) or >= 2, got {self.tree_nodes}")
+        if not 0 <= self.speculation_margin < 10:
+            raise ValueError(f"speculation_margin must be in [0, 10), got {self.speculation_margin}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -162,7 +168,8 @@ def build_decoder(cfg: DecodeConfig, target: Target, drafter: DFlashDrafter | No
     tree = TreeConfig(max_nodes=cfg.tree_nodes) if cfg.tree_nodes else None
     block = decode_block(cfg, drafter.config) if drafter is not None else None
     return SpeculativeDecoder(target, drafter, verify=cfg.verify, block_size=block, lookup=lookup,
-                              corpus=corpus, tree=tree, adaptive=not cfg.block_size)
+                              corpus=corpus, tree=tree, adaptive=not cfg.block_size,
+                              speculation_margin=cfg.speculation_margin)
 
 
 def check_pair(cfg: DecodeConfig) -> None:

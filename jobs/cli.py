@@ -48,7 +48,8 @@ def _decode_config(args):
         return DecodeConfig(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                             verify=args.verify, block_size=args.block_size, lookup=args.lookup,
                             lookup_tokens=args.lookup_tokens, corpus=args.corpus, tree_nodes=args.tree_nodes,
-                            seed=args.seed)
+                            seed=args.seed, **({} if args.speculation_margin is None
+                                               else {"speculation_margin": args.speculation_margin}))
     except ValueError as e:
         raise UserError(str(e)) from e
 
@@ -373,6 +374,9 @@ def _decode_flags(p):
                    help="verify a draft tree of up to N tokens a cycle: the drafter's block, its runner-up first "
                         "tokens continued by context or corpus copies, and the copies themselves (dflash.tree; "
                         "T > 0 then follows the match rule). 0 (default): one draft a cycle")
+    p.add_argument("--speculation-margin", type=float, default=None,
+                   help="adaptive width: a speculative cycle must promise this fraction more tokens/s than a plain "
+                        "AR step (default: DecodeConfig's, 0.1; 0 where a wide verify is nearly free, e.g. a GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 

@@ -122,6 +122,7 @@ def test_cli_bad_input_is_one_line_nonzero_and_overwrites_nothing(capsys, tmp_pa
         (["generate", "--prompt", "hi", "--block-size", "9"], "generate", "decode_block_size must be 0"),
         (["serve", "block_size=9"], "serve", "decode_block_size must be 0"),
         (["serve", "tree_nodes=-3"], "serve", "tree_nodes must be 0 (off) or >= 2"),
+        (["generate", "--prompt", "hi", "--speculation-margin", "-1"], "generate", "speculation_margin must be in"),
         (["export", str(tmp_path / "norun"), str(tmp_path / "x")], "export", "no training checkpoint"),
         (["train", f"data={tmp_path / 'nodata'}", f"output_dir={tmp_path / 'o'}"], "train", "data directory not found"),
     ]

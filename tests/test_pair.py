@@ -24,6 +24,7 @@ from serve.config import ServeConfig
     ({"lookup_tokens": 0}, "lookup_tokens must be >= 1"),
     ({"tree_nodes": 1}, "tree_nodes must be 0"),
     ({"device": "tpu"}, "device must be"),
+    ({"speculation_margin": -0.1}, "speculation_margin must be in"),
 ])
 def test_decode_config_refuses_bad_values_naming_the_field(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -52,6 +53,10 @@ def test_load_pair_builds_the_shipped_pair_with_its_block_lookup_and_corpus(targ
                       target=target_fp32)
     assert plain.decoder.block_size == 8 and plain.decoder.lookup is None and plain.decoder.corpus is None
     assert load_pair(DecodeConfig(drafter="none", dtype="fp32"), target=target_fp32).drafter is None
+    # the adaptive width's margin is the config's (default 0.1)
+    assert pair.decoder.policy.margin == 0.1
+    assert load_pair(DecodeConfig(drafter="default", dtype="fp32", speculation_margin=0.0),
+                     target=target_fp32).decoder.policy.margin == 0.0
     with pytest.raises(ValueError, match="config asks for bf16"):
         load_pair(DecodeConfig(drafter="none", dtype="bf16"), target=target_fp32)
 
