@@ -21,10 +21,11 @@ One asyncio task owns the decoder and the running batch. Each iteration:
   3. step    one speculative cycle for every row (ragged acceptance per row);
   4. deliver newly emitted tokens to each request's asyncio queue, drop finished rows.
 Model work runs in the engine's own model thread (a one-worker executor) so the event loop
-keeps accepting HTTP requests and streaming while a step computes. It is the engine's
-own: a step never queues behind other users of the loop's default executor, and it is
-always the same OS thread, so torch's per-thread CPU state is set up once. Only the loop task touches the batch;
-other coroutines only set flags (`cancel`) that the loop applies between steps.
+keeps accepting HTTP requests and streaming while a step computes. Being the engine's own,
+a step never queues behind other users of the loop's default executor, and it is always
+the same OS thread (torch's per-thread CPU state is set up once). Only the loop task
+touches the batch; other coroutines only set flags (`cancel`) that the loop applies
+between steps.
 
 No Ray and no HTTP here: the engine is tested and benchmarked as plain asyncio.
 """
