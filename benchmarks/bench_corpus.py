@@ -81,7 +81,8 @@ def tf_pairs(directory: str) -> list[tuple[list[int], list[int]]]:
 
 def build_index(segs, vocab: int, num_tokens: int):
     """A CorpusIndex over plain segments, or over (tokens, next tokens) pairs mixed in."""
-    from dflash.corpus import ORDERS, CorpusIndex, _most_frequent_next, _window_keys
+    import dflash.corpus
+    from dflash.corpus import CorpusIndex, _most_frequent_next, _window_keys
 
     if not any(isinstance(s, tuple) for s in segs):
         return CorpusIndex.from_segments(segs, vocab, num_tokens)
@@ -91,7 +92,7 @@ def build_index(segs, vocab: int, num_tokens: int):
     toks = np.concatenate([np.asarray(p[0], dtype=np.int64) for p in pairs])
     nxt = np.concatenate([np.asarray(p[1], dtype=np.int64) for p in pairs])
     seg = np.concatenate([np.full(len(p[0]), i) for i, p in enumerate(pairs)])
-    for n in ORDERS:  # window toks[s : s+n] -> nxt[s+n-1], inside one segment
+    for n in dflash.corpus.ORDERS:  # window toks[s : s+n] -> nxt[s+n-1], inside one segment
         s = np.arange(max(len(toks) - n + 1, 0))
         s = s[seg[s] == seg[s + n - 1]]
         index.tables[n] = _most_frequent_next(_window_keys(toks, s, n, vocab), nxt[s + n - 1])
@@ -108,6 +109,8 @@ def main() -> None:
     ap.add_argument("--fractions", default="0,0.25,0.5,1", help="shares of the first corpus's answers to keep")
     ap.add_argument("--teacher-forced", default="", help="a teacher-forced distilled directory (target_ids): "
                     "a variant keyed on its source text, continued by the target's argmax")
+    ap.add_argument("--orders", default="", help="n-gram orders to key on, longest first (default: "
+                    "dflash.corpus.ORDERS), e.g. 5,4,3")
     ap.add_argument("--lookup-tokens", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -120,6 +123,10 @@ def main() -> None:
     from dflash.target import load_target
 
     torch.set_num_threads(args.threads)
+    if args.orders:  # an experiment: the module constant that CorpusIndex reads
+        import dflash.corpus
+
+        dflash.corpus.ORDERS = tuple(int(n) for n in args.orders.split(","))
     target = load_target("default", dtype="bf16")
     vocab = target.model.config.vocab_size
     sets = {}

@@ -96,3 +96,31 @@ def test_answer_segments_keep_the_lead_tokens_before_each_answer():
     mask = [0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1]
     assert answer_segments(ids, mask, lead=3) == [[11, 12, 13, 20, 21], [14, 15, 16, 30, 31, 32]]
     assert answer_segments(ids[4:], mask[4:], lead=3) == [[20, 21], [14, 15, 16, 30, 31, 32]]
+
+
+def test_shipped_corpus_is_what_its_reference_config_writes():
+    """The committed corpus is `dflash corpus` over `dflash distill --config
+    jobs/configs/reference/corpus.yaml`: one answer per planned sample, generated with the
+    recipe's settings, for the default target; small enough to ship beside the drafter."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from dflash.checkpoint import reference_drafter_dir
+    from dflash.config_file import load_config
+    from dflash.corpus import CORPUS_FILE
+    from pipelines.distill import DistillConfig
+
+    repo = Path(__file__).resolve().parents[1]
+    recipe = load_config(DistillConfig, repo / "jobs/configs/reference/corpus.yaml").as_dict()
+    assert recipe["features"] == "none" and recipe["split"] == "train"
+    path = reference_drafter_dir("default:SmolLM2-135M-Instruct") / CORPUS_FILE
+    assert path.stat().st_size < 8e6
+    with safe_open(str(path), framework="numpy") as f:
+        meta, offsets = f.metadata(), f.get_tensor("offsets")
+    assert meta["target_id"] == "default:SmolLM2-135M-Instruct"
+    generation = json.loads(meta["generation"])
+    for key in ("max_new_tokens", "max_turns", "max_seq_len", "temperature", "seed", "batch_size"):
+        assert generation[key] == recipe[key], key
+    assert len(offsets) - 1 == recipe["limit"] and recipe["max_turns"] == 1  # first turns: one answer each
