@@ -13,8 +13,8 @@ this script prints it for every dtype and thread count in one run, with the CPU 
 so figures from different machines can be set side by side.
 
 For each (threads, dtype): the target's forward over W new tokens after a `context`-token
-cache (a fresh cache per pass, so every pass sees the same context), the median of
-`repeats` passes after two warm-up ones.
+prefill, as a verify runs it (the cache cropped back after each pass, so every pass sees
+the same context), the median of `repeats` passes after two warm-up ones.
 """
 
 from __future__ import annotations
@@ -28,22 +28,33 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def pass_ms(model, context: int, width: int, repeats: int, vocab: int) -> float:
+def curve_ms(target, context: int, widths: list[int], repeats: int) -> list[float]:
+    """Median ms of the target's pass over W tokens (each W in widths) after a `context`-token
+    prefill, the way a cycle's verify runs it (Target.forward with the decoder's mask and
+    cache), the cache cropped back after every pass: the prefill runs once."""
     import torch
-    from transformers import DynamicCache
 
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, vocab, (1, context), generator=gen)
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeats + 2):
-            cache = DynamicCache()
-            model(input_ids=prompt, past_key_values=cache, use_cache=True)
-            new = torch.randint(100, vocab, (1, width), generator=gen)
-            t0 = time.perf_counter()
-            model(input_ids=new, past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times[2:])
+    from dflash.decoding import SpeculativeDecoder
+    from dflash.masks import extend_attention_mask
+    from dflash.sampling import SamplingParams
+
+    ar = SpeculativeDecoder(target)
+    prompt = [(7 * k) % (target.vocab_size - 1) + 1 for k in range(context)]
+    batch = ar.prefill([prompt], SamplingParams(max_new_tokens=1))
+    out = []
+    with torch.no_grad():
+        for w in widths:
+            ids = batch.anchor[:, None].repeat(1, w)
+            pos = batch.next_pos[:, None] + torch.arange(w, device=batch.next_pos.device)
+            mask = extend_attention_mask(batch.slot_valid, w, causal=True)
+            times = []
+            for _ in range(repeats + 2):
+                t0 = time.perf_counter()
+                target.forward(ids, pos, mask, batch.cache)
+                times.append(time.perf_counter() - t0)
+                batch.cache.crop(-w)
+            out.append(1000 * statistics.median(times[2:]))
+    return out
 
 
 def main(argv=None) -> int:
@@ -72,7 +83,7 @@ def main(argv=None) -> int:
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for dt, target in targets.items():
-            ms = [pass_ms(target.model, args.context, w, args.repeats, target.vocab_size) for w in widths]
+            ms = curve_ms(target, args.context, widths, args.repeats)
             print(f"{threads:>7} {dt:>5} " + " ".join(f"{m:>6.1f} ({m / ms[0]:.2f})" for m in ms), flush=True)
     print("each cell: ms of the pass (its cost in one-token steps)")
     return 0
