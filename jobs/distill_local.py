@@ -2,7 +2,7 @@
 accelerator (and perhaps no Ray), finish with `dflash distill`.
 
     python -m jobs.distill_local plan --config jobs/configs/reference/distill.yaml PLAN.json.gz [key=value ...]
-    python -m jobs.distill_local run PLAN.json.gz OUT_DIR [--device cuda] [--seconds S]
+    python -m jobs.distill_local run PLAN.json.gz OUT_DIR [--device cuda] [--seconds S] [--shards A:B] [--engine vllm]
     cp OUT_DIR/part-*.parquet <output_dir>/
     dflash distill --config jobs/configs/reference/distill.yaml limit=N   # N = shards done x shard_size
 
@@ -12,6 +12,9 @@ one gzipped JSON file (a few MB for thousands of prompts). `run` needs only torc
 transformers, pyarrow and the target: it feeds the shards, in order, through the same
 `ShardDistiller` the Ray Data pool runs, until all are done or `--seconds` is spent, so
 the files it writes are those `dflash distill` writes (same names, metadata and rows).
+`--shards A:B` runs only shards A..B-1 (split one plan across machines, or grow a dataset
+whose first shards live elsewhere); `--engine vllm` writes the responses with vLLM, as
+`engine: vllm` does in `dflash distill`.
 Placed in the output directory, they count as done: `dflash distill` computes only what is
 missing, checks exactly-once and writes the manifest. The plan is a prefix of the source, so
 the first k shards with limit = k x shard_size are a complete dataset of their own.
@@ -53,8 +56,10 @@ def write_plan(cfg, path: Path) -> dict:
             "rejected": len(run.plan.rejects), "fingerprint": run.fingerprint, "bytes": path.stat().st_size}
 
 
-def run_plan(path: Path, out_dir: Path, device: str, seconds: float, threads: int) -> dict:
-    """Shards in plan order until done or out of time; a shard already in out_dir is kept."""
+def run_plan(path: Path, out_dir: Path, device: str, seconds: float, threads: int,
+             shards: tuple[int, int | None] = (0, None), engine: str = "native") -> dict:
+    """Shards shards[0]..shards[1]-1 (None: to the end) in plan order until done or out of
+    time; a shard already in out_dir is kept."""
     from dflash.data import DatasetMetadata, METADATA_KEY
     from dflash.regenerate import GenerationParams
     from pipelines.distill_worker import ShardDistiller, WorkerSpec
@@ -69,12 +74,17 @@ def run_plan(path: Path, out_dir: Path, device: str, seconds: float, threads: in
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = WorkerSpec(target=s["target"], dtype=s["dtype"], device=device, output_dir=str(out_dir), metadata=meta,
                       params=GenerationParams(**s["params"]), seed=s["seed"], batch_size=s["batch_size"],
-                      torch_threads=threads)
+                      torch_threads=threads, engine=engine)
+    first, end = shards
+    end = len(doc["shards"]) if end is None else end
+    if not 0 <= first < end <= len(doc["shards"]):
+        raise ValueError(f"--shards {first}:{end} is not a range within the plan's {len(doc['shards'])} shards")
     worker = ShardDistiller(spec)
-    print(f"distill_local: target loaded in {time.perf_counter() - t0:.1f}s; {len(doc['shards'])} shards planned",
-          file=sys.stderr, flush=True)
+    print(f"distill_local: target loaded in {time.perf_counter() - t0:.1f}s; {len(doc['shards'])} shards planned, "
+          f"running {first}..{end - 1}", file=sys.stderr, flush=True)
     done, samples, tokens, generated = 0, 0, 0, 0
-    for index, shard in enumerate(doc["shards"]):
+    for index in range(first, end):
+        shard = doc["shards"][index]
         if time.perf_counter() - t0 > seconds:
             break
         r = worker.distill_shard(index, shard)
@@ -84,11 +94,23 @@ def run_plan(path: Path, out_dir: Path, device: str, seconds: float, threads: in
         print(f"shard {index}: {r['samples']} samples, {r['loss_tokens']} generated tokens in {r['seconds']:.1f}s "
               f"({r['loss_tokens'] / max(r['seconds'], 1e-9):.0f} tok/s); total {samples} samples, {generated} "
               f"generated, {elapsed:.0f}s", file=sys.stderr, flush=True)
-    summary = {"shards_done": done, "limit": done * doc["shard_size"], "samples": samples, "tokens": tokens,
+    summary = {"shards_done": done, "first_shard": first, "limit": (first + done) * doc["shard_size"],
+               "samples": samples, "tokens": tokens,
                "generated_tokens": generated, "seconds": round(time.perf_counter() - t0, 1), "device": device,
                "fingerprint": doc["fingerprint"]}
     (out_dir / "_local_run.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def parse_shard_range(text: str) -> tuple[int, int | None]:
+    """"A:B" -> (A, B); "A:" -> (A, None); "A" -> (A, A + 1)."""
+    try:
+        if ":" not in text:
+            return int(text), int(text) + 1
+        a, b = text.split(":", 1)
+        return int(a or 0), (int(b) if b else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shards: expected A:B, A: or A, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--device", default="cpu")
     pr.add_argument("--seconds", type=float, default=float("inf"), help="start no shard after this many seconds")
     pr.add_argument("--threads", type=int, default=1)
+    pr.add_argument("--shards", type=parse_shard_range, default=(0, None), metavar="A:B",
+                    help="run only shards A..B-1 of the plan (B left out: to the end; default all)")
+    pr.add_argument("--engine", choices=("native", "vllm"), default="native",
+                    help="who writes the responses: our decode loop, or vLLM (needs `make vllm-venv`)")
     args = p.parse_args(argv)
     if args.verb == "plan":
         from dflash.config_file import load_config
@@ -111,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
         result = write_plan(load_config(DistillConfig, args.config, args.overrides), args.plan_file)
     else:
-        result = run_plan(args.plan_file, args.out_dir, args.device, args.seconds, args.threads)
+        result = run_plan(args.plan_file, args.out_dir, args.device, args.seconds, args.threads,
+                          args.shards, args.engine)
     print(json.dumps(result))
     return 0
 
