@@ -152,14 +152,23 @@ class CorpusIndex:
     @classmethod
     def load(cls, path: str | Path, vocab_size: int, num_tokens: int = 7) -> "CorpusIndex":
         """Load a corpus file (safetensors: no pickle) and build its tables for a target of vocab_size."""
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="numpy") as f:
-            made_for = int((f.metadata() or {}).get("vocab_size", vocab_size))
-            tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets")
+        tokens, offsets, meta = read_corpus_file(path)
+        made_for = int(meta.get("vocab_size", vocab_size))
         if made_for != vocab_size:
             raise ValueError(f"{path} was made for a vocabulary of {made_for}, the target has {vocab_size}")
         return cls(tokens, offsets, vocab_size, num_tokens)
+
+    def segments(self) -> list[list[int]]:
+        """The stored answers, one token list each (the inverse of from_segments)."""
+        return [self.tokens[a:b].tolist() for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+
+def read_corpus_file(path: str | Path) -> tuple[np.ndarray, np.ndarray, dict[str, str]]:
+    """A corpus file's token stream, segment offsets and metadata, no tables built."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return f.get_tensor("tokens"), f.get_tensor("offsets"), dict(f.metadata() or {})
 
 
 def answer_segments(input_ids: list[int], loss_mask: list[int], lead: int = max(ORDERS) - 1) -> list[list[int]]:
@@ -178,8 +187,10 @@ def answer_segments(input_ids: list[int], loss_mask: list[int], lead: int = max(
     return segments
 
 
-def build_from_distilled(directory: str | Path, vocab_size: int, progress=None) -> CorpusIndex:
-    """A CorpusIndex over the answers of a `dflash distill` directory (tokens-only is enough)."""
+def build_from_distilled(directory: str | Path, vocab_size: int, progress=None,
+                         base: CorpusIndex | None = None) -> CorpusIndex:
+    """A CorpusIndex over the answers of a `dflash distill` directory (tokens-only is enough),
+    after those of `base` when given (a corpus grown without its first answers' shards)."""
     import pyarrow.parquet as pq
 
     from dflash.data import shard_files
@@ -187,7 +198,7 @@ def build_from_distilled(directory: str | Path, vocab_size: int, progress=None) 
     files = shard_files(directory)
     if not files:
         raise FileNotFoundError(f"no .parquet shards in {directory}: run `dflash distill` first")
-    segments: list[list[int]] = []
+    segments: list[list[int]] = base.segments() if base is not None else []
     for f in files:
         table = pq.read_table(f, columns=["input_ids", "loss_mask"])
         for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):

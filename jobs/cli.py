@@ -294,6 +294,22 @@ def cmd_demo(args) -> int:
     return _run_stage(args, _loader(DemoConfig), run_demo)
 
 
+def _corpus_base(path: str, target, generation: str):
+    """The corpus file that `dflash corpus --base` grows: same target, same generation recipe."""
+    from dflash.corpus import CorpusIndex, read_corpus_file
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"base corpus not found: {path}")
+    meta = read_corpus_file(path)[2]
+    if meta.get("weights_hash") != target.weights_hash:
+        raise ValueError(f"base corpus {path} was made from target weights {meta.get('weights_hash')}, "
+                         f"this target has {target.weights_hash}")
+    if meta.get("generation") != generation:
+        raise ValueError(f"base corpus {path} was generated with {meta.get('generation')}, "
+                         f"the data with {generation}: a corpus holds answers of one recipe")
+    return CorpusIndex.load(path, target.vocab_size)
+
+
 def cmd_corpus(args) -> int:
     """Distilled answers -> corpus.safetensors for corpus lookup (dflash.corpus)."""
     from dflash.corpus import build_from_distilled
@@ -306,13 +322,15 @@ def cmd_corpus(args) -> int:
     target = _load_target(args)
     try:
         meta = check_dataset(args.data, weights_hash=target.weights_hash)
-        index = build_from_distilled(args.data, target.vocab_size, progress=lambda f, n: print(
+        generation = json.dumps(meta.generation, sort_keys=True)
+        base = _corpus_base(args.base, target, generation) if args.base else None
+        index = build_from_distilled(args.data, target.vocab_size, base=base, progress=lambda f, n: print(
             f"[corpus] {f.name}: {n} answers so far", file=sys.stderr, flush=True))
     except (FileNotFoundError, DataMismatchError, ValueError) as e:
         raise UserError(str(e)) from e
+    extra = {"base": f"{Path(args.base).name}: {len(base.offsets) - 1} answers"} if base is not None else {}
     path = index.save(args.out, {"target_id": target.target_id, "weights_hash": target.weights_hash,
-                                 "source": str(Path(args.data).resolve().name),
-                                 "generation": json.dumps(meta.generation, sort_keys=True)})
+                                 "source": str(Path(args.data).resolve().name), "generation": generation, **extra})
     print(json.dumps({"corpus": str(path), "segments": len(index.offsets) - 1, "tokens": len(index.tokens),
                       "entries": index.num_entries, "bytes": path.stat().st_size}))
     return 0
@@ -427,6 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="a `dflash distill` output directory")
     p.add_argument("--out", required=True, help="the file to write, e.g. <drafter dir>/corpus/corpus.safetensors")
     p.add_argument("--target", default="default", help="the target the data was distilled from")
+    p.add_argument("--base", default=None,
+                   help="a corpus file to grow: its answers first, then the data's (same target and recipe; "
+                        "for data that holds only the shards after the base's, e.g. `jobs.distill_local run "
+                        "--shards A:`)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=cmd_corpus)
 

@@ -251,6 +251,19 @@ def test_corpus_command_indexes_every_regenerated_answer(distilled, target_fp32,
     assert main(["corpus", "--data", str(out), "--out", str(path)]) == 2
     assert "exists" in capsys.readouterr().err
 
+    # --base grows a corpus file: its answers first, then the data's
+    grown = tmp_path / "grown.safetensors"
+    assert main(["corpus", "--data", str(out), "--out", str(grown), "--base", str(path)]) == 0
+    both = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert both["segments"] == 2 * summary["segments"] and both["tokens"] == 2 * summary["tokens"]
+    assert CorpusIndex.load(grown, target_fp32.vocab_size).segments()[:summary["segments"]] == index.segments()
+    # ... only a base of the same target and recipe, and a refused run writes nothing
+    other = tmp_path / "other.safetensors"
+    index.save(other, {"weights_hash": target_fp32.weights_hash, "generation": "{}"})
+    for base, why in ((other, "one recipe"), (tmp_path / "missing.safetensors", "not found")):
+        assert main(["corpus", "--data", str(out), "--out", str(tmp_path / "x.safetensors"), "--base", str(base)]) == 2
+        assert why in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()
+
 
 def _scored_spans(mask: list[int]) -> list[tuple[int, int]]:
     starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
@@ -406,7 +419,7 @@ def test_local_run_of_a_plan_writes_the_shards_ray_writes(distilled, source, tmp
     import gzip
     import shutil
 
-    from jobs.distill_local import run_plan, write_plan
+    from jobs.distill_local import parse_shard_range, run_plan, write_plan
 
     ray_out, ray_summary = distilled
     cfg = make_cfg(source, tmp_path / "data")
@@ -416,8 +429,18 @@ def test_local_run_of_a_plan_writes_the_shards_ray_writes(distilled, source, tmp
 
     none = run_plan(tmp_path / "plan.json.gz", tmp_path / "gen", device="cpu", seconds=0, threads=1)
     assert none["shards_done"] == 0 and not list((tmp_path / "gen").glob("*.parquet"))  # out of time: no shard
-    first = run_plan(tmp_path / "plan.json.gz", tmp_path / "gen", device="cpu", seconds=float("inf"), threads=1)
-    assert first["shards_done"] == plan["shards"] and first["limit"] == ray_summary["shards"] * cfg.shard_size
+    # a range of the plan (as on a second machine): shards 1.. only, then shard 0
+    rest = run_plan(tmp_path / "plan.json.gz", tmp_path / "gen", device="cpu", seconds=float("inf"), threads=1,
+                    shards=(1, None))
+    assert rest["shards_done"] == plan["shards"] - 1 and rest["limit"] == ray_summary["shards"] * cfg.shard_size
+    assert not (tmp_path / "gen" / "part-00000.parquet").exists()
+    first = run_plan(tmp_path / "plan.json.gz", tmp_path / "gen", device="cpu", seconds=float("inf"), threads=1,
+                     shards=parse_shard_range("0"))
+    assert first["shards_done"] == 1 and (tmp_path / "gen" / "part-00000.parquet").exists()
+    assert len(list((tmp_path / "gen").glob("part-*.parquet"))) == plan["shards"]
+    with pytest.raises(ValueError, match="not a range"):
+        run_plan(tmp_path / "plan.json.gz", tmp_path / "gen", device="cpu", seconds=1, threads=1,
+                 shards=(plan["shards"], None))
     for f in (tmp_path / "gen").glob("part-*.parquet"):
         shutil.copy(f, tmp_path / "data")
     summary = run_distill(cfg)  # todo is empty: no Ray pool starts
