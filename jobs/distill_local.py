@@ -4,7 +4,7 @@ accelerator (and perhaps no Ray), finish with `dflash distill`.
     python -m jobs.distill_local plan --config jobs/configs/reference/distill.yaml PLAN.json.gz [key=value ...]
     python -m jobs.distill_local run PLAN.json.gz OUT_DIR [--device cuda] [--seconds S] [--shards A:B] [--engine vllm]
     cp OUT_DIR/part-*.parquet <output_dir>/
-    dflash distill --config jobs/configs/reference/distill.yaml limit=N   # N = shards done x shard_size
+    dflash distill --config jobs/configs/reference/distill.yaml limit=N   # N = the summary's "limit"
 
 `plan` is the distill driver's own start-up: checks, the claim on output_dir (fingerprint,
 _run.json), the plan and its rejects; it saves each shard's samples and the worker spec in
@@ -94,7 +94,7 @@ def run_plan(path: Path, out_dir: Path, device: str, seconds: float, threads: in
         print(f"shard {index}: {r['samples']} samples, {r['loss_tokens']} generated tokens in {r['seconds']:.1f}s "
               f"({r['loss_tokens'] / max(r['seconds'], 1e-9):.0f} tok/s); total {samples} samples, {generated} "
               f"generated, {elapsed:.0f}s", file=sys.stderr, flush=True)
-    summary = {"shards_done": done, "first_shard": first, "limit": (first + done) * doc["shard_size"],
+    summary = {"shards_done": done, "first_shard": first, "limit": first * doc["shard_size"] + samples,
                "samples": samples, "tokens": tokens,
                "generated_tokens": generated, "seconds": round(time.perf_counter() - t0, 1), "device": device,
                "fingerprint": doc["fingerprint"]}

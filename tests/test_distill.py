@@ -432,7 +432,7 @@ def test_local_run_of_a_plan_writes_the_shards_ray_writes(distilled, source, tmp
     # a range of the plan (as on a second machine): shards 1.. only, then shard 0
     rest = run_plan(tmp_path / "plan.json.gz", tmp_path / "gen", device="cpu", seconds=float("inf"), threads=1,
                     shards=(1, None))
-    assert rest["shards_done"] == plan["shards"] - 1 and rest["limit"] == ray_summary["shards"] * cfg.shard_size
+    assert rest["shards_done"] == plan["shards"] - 1 and rest["limit"] == ray_summary["samples"]
     assert not (tmp_path / "gen" / "part-00000.parquet").exists()
     first = run_plan(tmp_path / "plan.json.gz", tmp_path / "gen", device="cpu", seconds=float("inf"), threads=1,
                      shards=parse_shard_range("0"))
