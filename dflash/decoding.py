@@ -129,6 +129,11 @@ class SpeculativeDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def stops(self, params: SamplingParams) -> set[int]:
+        """The tokens that end a request: the target's and its own, or only its own with ignore_eos."""
+        own = set(params.stop_token_ids)
+        return own if params.ignore_eos else self.stop_token_ids | own
+
     def _position_uniforms(self, batch: DecodeBatch, width: int, rows=None) -> torch.Tensor:
         """(b, width): row i's uniforms for its next `width` output indices (Request.uniforms_at),
         zeros for greedy rows and rows not in `rows` (a set of indices)."""
@@ -384,7 +389,7 @@ class SpeculativeDecoder:
             r.stats.record(width, source, n, len(toks) - 1)
             r.stats.draft_time_s += draft_s
             r.stats.verify_time_s += verify_s
-            emitted.append(r.emit(toks, self.stop_token_ids | set(r.params.stop_token_ids)))
+            emitted.append(r.emit(toks, self.stops(r.params)))
         return emitted
 
     # --- a cycle that verifies a draft tree (dflash.tree) -------------------------------

@@ -89,5 +89,5 @@ class Prefill:
         self.elapsed_s += time.perf_counter() - t0
         for r, tok in zip(self.requests, first.tolist()):
             r.stats.prefill_time_s = self.elapsed_s
-            r.emit([tok], dec.stop_token_ids | set(r.params.stop_token_ids))
+            r.emit([tok], dec.stops(r.params))
         return batch

@@ -48,13 +48,16 @@ def check_sampling_ranges(max_new_tokens: int | None = None, temperature: float 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters. temperature 0 = greedy. A seed fixes the request's
-    random stream whatever batch it shares (dflash.batch.Request.uniforms)."""
+    random stream whatever batch it shares (dflash.batch.Request.uniforms). ignore_eos: the
+    target's own stop tokens do not end the request (only max_new_tokens and its own
+    stop_token_ids do), as vLLM's option of that name: fixed-length benchmarks and tests."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self):
         check_sampling_ranges(self.max_new_tokens, self.temperature, self.top_p)

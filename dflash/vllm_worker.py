@@ -11,7 +11,7 @@ imports only vLLM and the standard library. SPEC_JSON:
 
 Protocol: one JSON object per line. The parent writes to our stdin
     {"op": "generate", "id": "r1", "prompt_ids": [...], "max_tokens": 64, "temperature": 0.0,
-     "top_p": 1.0, "seed": null, "stop_token_ids": [2]}
+     "top_p": 1.0, "seed": null, "stop_token_ids": [2], "ignore_eos": false}
     {"op": "abort", "id": "r1"}
 and reads from our stdout
     {"event": "ready", "version": "0.32.0"}                          once, after start-up
@@ -85,6 +85,7 @@ async def serve(spec: dict, out) -> None:
         params = SamplingParams(max_tokens=int(req["max_tokens"]), temperature=float(req.get("temperature", 0.0)),
                                 top_p=float(req.get("top_p", 1.0)), seed=req.get("seed"), detokenize=False,
                                 stop_token_ids=list(req.get("stop_token_ids") or []),
+                                ignore_eos=bool(req.get("ignore_eos", False)),
                                 output_kind=RequestOutputKind.DELTA)
         try:
             async for result in engine.generate(TokensPrompt(prompt_token_ids=list(req["prompt_ids"])), params, rid):

@@ -212,7 +212,7 @@ class DFlashServer:
         greedy = req.temperature == 0 or req.top_p == 0
         return SamplingParams(max_new_tokens=req.max_tokens or min(self.cfg.default_max_tokens, room),
                               temperature=0.0 if greedy else req.temperature,
-                              top_p=1.0 if greedy else req.top_p, seed=req.seed)
+                              top_p=1.0 if greedy else req.top_p, seed=req.seed, ignore_eos=req.ignore_eos)
 
     def _start(self, req: P.SamplingRequest, prompt_ids: list[int]) -> Generation:
         params = self._params(req, len(prompt_ids))

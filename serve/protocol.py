@@ -63,6 +63,7 @@ class SamplingRequest(BaseModel):
     top_p: float = Field(default=1.0, ge=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model's stop token
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=1)

@@ -124,7 +124,8 @@ class VllmEngine:
         self._live[gen.rid] = gen
         self._send({"op": "generate", "id": gen.rid, "prompt_ids": gen.prompt_ids,
                     "max_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
-                    "seed": params.seed, "stop_token_ids": self.stop_token_ids})
+                    "seed": params.seed, "ignore_eos": params.ignore_eos,
+                    "stop_token_ids": list(params.stop_token_ids) if params.ignore_eos else self.stop_token_ids})
         return gen
 
     def cancel(self, gen: VllmGeneration, reason: str = "abort") -> None:

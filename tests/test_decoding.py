@@ -82,6 +82,21 @@ def test_stop_tokens_and_max_new_tokens(target_fp32, prompts, reference, random_
     assert out.output_ids == ref[:7] and out.finish_reason == "length"
 
 
+def test_ignore_eos_runs_past_the_targets_stop_tokens(target_fp32, prompts, reference, random_drafter):
+    """ignore_eos: the target's stop tokens no longer end a request (its own still do). Here a
+    token of the greedy answer stands in for the target's end-of-sequence token."""
+    dec = SpeculativeDecoder(target_fp32, random_drafter)
+    ref = reference[1]
+    eos, own = ref[5], ref[-4]
+    dec.stop_token_ids = dec.stop_token_ids | {eos}
+    out = dec.generate([prompts[1]], SamplingParams(MAX_NEW))[0]
+    assert out.output_ids == ref[: ref.index(eos) + 1] and out.finish_reason == "stop"
+    out = dec.generate([prompts[1]], SamplingParams(MAX_NEW, ignore_eos=True))[0]
+    assert out.output_ids == ref and out.finish_reason == "length"
+    out = dec.generate([prompts[1]], SamplingParams(MAX_NEW, ignore_eos=True, stop_token_ids=(own,)))[0]
+    assert out.output_ids == ref[: ref.index(own) + 1] and out.finish_reason == "stop"
+
+
 def _rescore_margins(target, prompt, output):
     """For each emitted token: max logit - logit of the token, teacher-forced in one pass."""
     ids = torch.tensor([prompt + output])
