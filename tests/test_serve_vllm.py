@@ -80,6 +80,14 @@ def test_vllm_engine_answers_equal_the_targets_greedy(vllm_app, target_fp32):
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     want = hf_greedy(target_fp32, target_fp32.chat_ids(messages), MAX_TOKENS)
     assert text == target_fp32.tokenizer.decode(want, skip_special_tokens=True)
+    # ignore_eos reaches vLLM: the short answer runs on to max_tokens
+    messages = [{"role": "user", "content": "Answer with one word: is the sky blue?"}]
+    plain = client.chat.completions.create(model="vllm", messages=messages, max_tokens=48, temperature=0)
+    forced = client.chat.completions.create(model="vllm", messages=messages, max_tokens=48, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 48
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 48
+    assert forced.choices[0].message.content.startswith(plain.choices[0].message.content)
 
 
 @pytest.mark.slow
