@@ -95,9 +95,8 @@ def run_plan(path: Path, out_dir: Path, device: str, seconds: float, threads: in
               f"({r['loss_tokens'] / max(r['seconds'], 1e-9):.0f} tok/s); total {samples} samples, {generated} "
               f"generated, {elapsed:.0f}s", file=sys.stderr, flush=True)
     summary = {"shards_done": done, "first_shard": first, "limit": first * doc["shard_size"] + samples,
-               "samples": samples, "tokens": tokens,
-               "generated_tokens": generated, "seconds": round(time.perf_counter() - t0, 1), "device": device,
-               "fingerprint": doc["fingerprint"]}
+               "samples": samples, "tokens": tokens, "generated_tokens": generated,
+               "seconds": round(time.perf_counter() - t0, 1), "device": device, "fingerprint": doc["fingerprint"]}
     (out_dir / "_local_run.json").write_text(json.dumps(summary, indent=1))
     return summary
 
